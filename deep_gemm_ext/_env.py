@@ -1,0 +1,68 @@
+"""The one place that reads ``DGE_*`` environment variables.
+
+Every knob is documented in README.md ("Environment variables"). Values are read on each call
+so tests (and users) can flip them at run time with ``os.environ``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "0").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={os.environ[name]!r}: expected one of 0/1/true/false/yes/no/on/off")
+
+
+def jit_cache_dir() -> Path:
+    """DGE_JIT_CACHE_DIR: where compiled kernels live (default ~/.deep_gemm_ext)."""
+    return Path(os.environ.get("DGE_JIT_CACHE_DIR", str(Path.home() / ".deep_gemm_ext"))).expanduser()
+
+
+def jit_debug() -> bool:
+    """DGE_JIT_DEBUG: log every compile and cache hit, keep temporary build files."""
+    return _flag("DGE_JIT_DEBUG")
+
+
+def jit_use_nvrtc() -> bool:
+    """DGE_JIT_USE_NVRTC: compile with NVRTC even when nvcc is found."""
+    return _flag("DGE_JIT_USE_NVRTC")
+
+
+def jit_nvcc_compiler() -> str | None:
+    """DGE_JIT_NVCC_COMPILER: path of the nvcc to use (default: $CUDA_HOME/bin/nvcc, then PATH)."""
+    return os.environ.get("DGE_JIT_NVCC_COMPILER") or None
+
+
+def jit_ptxas_verbose() -> bool:
+    """DGE_JIT_PTXAS_VERBOSE: print ptxas' resource report (registers, spills, smem) per compile."""
+    return _flag("DGE_JIT_PTXAS_VERBOSE")
+
+
+def jit_dump_ptx() -> bool:
+    """DGE_JIT_DUMP_PTX: keep the PTX next to the cubin in the cache entry."""
+    return _flag("DGE_JIT_DUMP_PTX")
+
+
+def jit_dump_sass() -> bool:
+    """DGE_JIT_DUMP_SASS: write the SASS (cuobjdump) next to the cubin in the cache entry."""
+    return _flag("DGE_JIT_DUMP_SASS")
+
+
+def jit_with_lineinfo() -> bool:
+    """DGE_JIT_WITH_LINEINFO: compile with -lineinfo (for compute-sanitizer / ncu source view)."""
+    return _flag("DGE_JIT_WITH_LINEINFO")
+
+
+def use_jit_kernels() -> bool:
+    """DGE_DISABLE_JIT: set to 1 to run the GPU path on torch ops only (no JIT kernels)."""
+    return not _flag("DGE_DISABLE_JIT")
+
+
+def check_ids() -> bool:
+    """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
+    return os.environ.get("DGE_CHECK_IDS", "1") != "0"
