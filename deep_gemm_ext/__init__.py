@@ -1,0 +1,16 @@
+"""deep_gemm_ext: trainable Mega MoE layers (forward + backward) for NVIDIA GPUs."""
+from .api import mega_moe_train
+from .reference import reference_forward
+from .routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta, compute_routing_torch
+from .validation import unsupported_shape_reason
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "mega_moe_train",
+    "reference_forward",
+    "RoutingMeta",
+    "compute_routing_torch",
+    "TOKEN_GROUP_ALIGNMENT",
+    "unsupported_shape_reason",
+]

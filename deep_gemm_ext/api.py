@@ -1,0 +1,33 @@
+"""Public entry point: ``mega_moe_train``."""
+from __future__ import annotations
+
+import torch
+
+from . import ops  # noqa: F401  (registers the custom ops)
+from .validation import validate_inputs
+
+
+def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   l1_weights: torch.Tensor, l2_weights: torch.Tensor, *, group=None,
+                   recipe: str = "bf16", activation_clamp: float | None = None,
+                   backend: str = "auto") -> torch.Tensor:
+    """The MoE layer of design.md §2, differentiable w.r.t. x, topk_weights and both weights.
+
+    x [T, H]; topk_idx [T, K] int64/int32, expert ids in [-1, E) (-1 = unused slot);
+    topk_weights [T, K] fp32; l1_weights [E, 2I, H] (gate rows, then up rows); l2_weights [E, H, I].
+    ``activation_clamp=c`` computes ``silu(min(g, c)) * clamp(u, -c, c)``. Returns y [T, H] in x's
+    dtype. On CPU this runs the fp32 reference path; on SM90+ bf16 the GPU path.
+
+    backend: ``"auto"`` (best available), ``"torch"`` (the unfused torch._grouped_mm path), or
+    ``"deep_gemm"`` (upstream DeepGEMM's grouped GEMMs; needs deep_gemm installed).
+    """
+    validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
+                    activation_clamp=activation_clamp, backend=backend)
+    clamp = None if activation_clamp is None else float(activation_clamp)
+    if backend == "deep_gemm":
+        from .backends import deepgemm
+
+        return deepgemm.mega_moe_train(x, topk_idx, topk_weights, l1_weights, l2_weights,
+                                       recipe=recipe, activation_clamp=clamp)
+    return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights,
+                                                clamp)[0]

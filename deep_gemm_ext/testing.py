@@ -1,0 +1,90 @@
+"""Inputs and error measures shared by the tests and the benchmarks (one generator for both)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUTINGS = ("uniform", "zipf", "one_expert", "empty_experts", "unused_slots")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+
+    def flops_forward(self) -> float:
+        """6·T·K·H·I: two GEMMs of 2·H·I (L1 is 2I wide) per routed slot."""
+        return 6.0 * self.num_tokens * self.top_k * self.hidden * self.intermediate
+
+
+#: Headline workloads of design.md §6 (single GPU, all experts local).
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("qwen3-30b-a3b-t16384", 16384, 2048, 768, 128, 8),
+        Workload("qwen3-30b-a3b-t4096", 4096, 2048, 768, 128, 8),
+        Workload("qwen3-235b-a22b-t8192", 8192, 4096, 1536, 128, 8),
+        Workload("deepseek-v3-t8192", 8192, 7168, 2048, 256, 8),
+    )
+}
+
+
+def make_routing(num_tokens: int, num_experts: int, top_k: int, kind: str = "uniform", *,
+                 device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+    """topk_idx [T, K] int64 with distinct experts per token (where the kind allows it)."""
+    g = generator
+    if kind not in ROUTINGS:
+        raise ValueError(f"kind={kind!r}; expected one of {ROUTINGS}")
+    if kind == "one_expert":
+        idx = torch.full((num_tokens, top_k), -1, dtype=torch.int64)
+        idx[:, 0] = num_experts // 2  # every token on one expert, other slots unused
+        return idx.to(device)
+    if kind == "zipf":
+        ranks = torch.arange(1, num_experts + 1, dtype=torch.float64)
+        probs = (1.0 / ranks ** 1.2).expand(num_tokens, -1)
+    elif kind == "empty_experts":
+        probs = torch.ones(num_tokens, num_experts, dtype=torch.float64)
+        probs[:, ::3] = 0  # every third expert receives nothing
+    else:
+        probs = torch.ones(num_tokens, num_experts, dtype=torch.float64)
+    # Fewer reachable experts than top_k: the remaining slots stay unused (-1).
+    k = min(top_k, num_experts - (num_experts + 2) // 3 if kind == "empty_experts" else num_experts)
+    idx = torch.full((num_tokens, top_k), -1, dtype=torch.int64)
+    if num_tokens:
+        idx[:, :k] = torch.multinomial(probs, k, replacement=False, generator=g)
+    if kind == "unused_slots" and num_tokens:
+        drop = torch.rand(num_tokens, top_k, generator=g) < 0.25
+        idx[drop] = -1
+    return idx.to(device)
+
+
+def make_inputs(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                routing: str = "uniform", device="cpu", dtype=torch.bfloat16, seed: int | None = None,
+                requires_grad: bool = True):
+    """Fresh random inputs (never zeros) scaled so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2 ** 31))
+    x = torch.randn(num_tokens, hidden, generator=g)
+    l1 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
+    l2 = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5
+    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g)
+    w = torch.rand(num_tokens, top_k, generator=g) + 0.05
+    w = w / w.sum(-1, keepdim=True)
+    tensors = [x.to(device, dtype), idx.to(device), w.to(device), l1.to(device, dtype), l2.to(device, dtype)]
+    if requires_grad:
+        for i in (0, 2, 3, 4):
+            tensors[i].requires_grad_(True)
+    return tuple(tensors)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN anywhere gives NaN)."""
+    out = out.detach().double()
+    ref = ref.detach().double()
+    denom = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / denom if denom > 0 else num

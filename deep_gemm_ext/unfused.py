@@ -1,0 +1,213 @@
+"""The unfused MoE layer: routing, gather, grouped GEMMs, SwiGLU and combine as separate steps.
+
+One composition serves two purposes:
+- on CPU (and on GPUs without the bf16 grouped GEMM) it is the reference path of
+  ``mega_moe_train``, computing in fp32 (fp64 for fp64 inputs) with a loop over experts;
+- on SM90+ it is the fast unfused GPU path: ``torch._grouped_mm`` over the block-aligned pool, the
+  elementwise steps in JIT kernels when they are available, and no host synchronisation.
+
+The backward is written by hand (design.md §2): it needs only the dispatched pool of x, the L1
+output h and the routing metadata, and gets ``d topk_weights`` as ``<da', act>`` without the L2
+output.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _env
+from .reference import swiglu
+from .routing import RoutingMeta, compute_routing_torch
+
+# ---------------------------------------------------------------------------------------------
+# Which implementation runs each step.
+
+
+def uses_grouped_mm(t: torch.Tensor) -> bool:
+    """bf16 CUDA tensors on SM90+ go through torch._grouped_mm; everything else loops over experts."""
+    return t.is_cuda and t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_kernels_for(device_index: int):
+    try:
+        from . import jit_kernels
+    except ImportError:
+        return None
+    return jit_kernels if jit_kernels.available(device_index) else None
+
+
+def jit_kernels(t: torch.Tensor):
+    """The JIT kernel module when it serves this tensor's device, else None (torch ops run)."""
+    if not (t.is_cuda and t.dtype in (torch.bfloat16, torch.int32, torch.int64) and _env.use_jit_kernels()):
+        return None
+    return _jit_kernels_for(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """dtype of the pool, h and the GEMMs: bf16 on the GPU path, fp32/fp64 on the reference path."""
+    if uses_grouped_mm(x):
+        return torch.bfloat16
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def routing_align(x: torch.Tensor) -> int:
+    # torch._grouped_mm needs 16-byte aligned group starts for its k-grouped (wgrad) form.
+    return 16 if uses_grouped_mm(x) else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps. Each has a torch implementation; the elementwise ones dispatch to JIT kernels on GPU.
+
+
+def routing(topk_idx: torch.Tensor, num_experts: int, align: int) -> RoutingMeta:
+    k = jit_kernels(topk_idx)
+    if k is not None:
+        return k.routing_metadata(topk_idx, num_experts, align)
+    return compute_routing_torch(topk_idx, num_experts, align)
+
+
+def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Pool row r = x[row_to_slot[r] // top_k]; zero rows where row_to_slot[r] < 0 (padding)."""
+    k = jit_kernels(x)
+    if k is not None:
+        return k.gather_rows(x, row_to_slot, top_k)
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    src = torch.where(row_to_slot >= 0, row_to_slot // top_k, x.shape[0])
+    return padded.index_select(0, src.long())
+
+
+def combine_rows(o: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tensor | None,
+                 top_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """y[t] = sum_k w[t, k] * o[slot_to_row[t*K + k]] accumulated in fp32 in k order; -1 rows skipped."""
+    k = jit_kernels(o)
+    if k is not None and out_dtype == o.dtype:
+        return k.combine_rows(o, slot_to_row, weights, top_k)
+    acc_dtype = torch.float64 if o.dtype == torch.float64 else torch.float32
+    num_tokens = slot_to_row.shape[0] // top_k
+    rows = slot_to_row.view(num_tokens, top_k).long()
+    valid = rows >= 0
+    safe_rows = torch.where(valid, rows, 0)
+    y = torch.zeros(num_tokens, o.shape[1], dtype=acc_dtype, device=o.device)
+    for j in range(top_k):
+        contrib = o.index_select(0, safe_rows[:, j]).to(acc_dtype)
+        scale = valid[:, j].to(acc_dtype) if weights is None else torch.where(
+            valid[:, j], weights[:, j].to(acc_dtype), 0)
+        # where() rather than a multiply so that an unused slot cannot turn into NaN * 0.
+        y += torch.where(valid[:, j, None], contrib * scale[:, None], 0)
+    return y.to(out_dtype)
+
+
+def swiglu_forward(h: torch.Tensor, activation_clamp: float | None) -> torch.Tensor:
+    k = jit_kernels(h)
+    if k is not None:
+        return k.swiglu_forward(h, activation_clamp)
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    return swiglu(h.to(acc), activation_clamp).to(h.dtype)
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
+                    activation_clamp: float | None):
+    """SwiGLU backward of ``w * da`` per pool row, plus ``<da, act>`` and ``w * act``.
+
+    Returns ``(dh, d_row_weight, act_w)``: dh [P, 2I], d_row_weight [P] (fp32), act_w [P, I].
+    """
+    k = jit_kernels(h)
+    if k is not None:
+        return k.swiglu_backward(h, da, row_weight, activation_clamp)
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    da = da.to(acc)
+    w = row_weight.to(acc)[:, None]
+    if activation_clamp is not None:
+        gate_mask = gate <= activation_clamp
+        up_mask = (up >= -activation_clamp) & (up <= activation_clamp)
+        gate = torch.clamp(gate, max=activation_clamp)
+        up = torch.clamp(up, min=-activation_clamp, max=activation_clamp)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = silu * up
+    d_row_weight = (da * act).sum(-1)
+    d = da * w
+    dgate = d * up * (sig * (1 + gate * (1 - sig)))
+    dup = d * silu
+    if activation_clamp is not None:
+        dgate = torch.where(gate_mask, dgate, 0)
+        dup = torch.where(up_mask, dup, 0)
+    dh = torch.cat([dgate, dup], dim=-1).to(h.dtype)
+    return dh, d_row_weight.to(torch.float32 if acc == torch.float32 else acc), (act * w).to(h.dtype)
+
+
+def grouped_mm(a: torch.Tensor, b_kn: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b_kn[e] for a [P, K] pool and b_kn [E, K, N] (any strides).
+
+    Rows past ``meta.ends[-1]`` are left unwritten: nothing reads them.
+    """
+    if uses_grouped_mm(a):
+        return torch._grouped_mm(a, b_kn, offs=meta.ends)
+    out = a.new_zeros(a.shape[0], b_kn.shape[2])
+    for e, (start, end) in enumerate(zip(meta.starts.tolist(), meta.ends.tolist())):
+        if end > start:
+            out[start:end] = a[start:end] @ b_kn[e].to(a.dtype)
+    return out
+
+
+def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+    """dW[e] = a[rows of e]^T @ b[rows of e]: [E, a.shape[1], b.shape[1]], zero for empty experts."""
+    if uses_grouped_mm(a):
+        # Empty groups come out as zeros on SM90 (k-grouped with K = 0).
+        return torch._grouped_mm(a.t(), b, offs=meta.ends)
+    out = a.new_zeros(meta.num_experts, a.shape[1], b.shape[1])
+    for e, (start, end) in enumerate(zip(meta.starts.tolist(), meta.ends.tolist())):
+        if end > start:
+            out[e] = a[start:end].t() @ b[start:end]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer.
+
+
+def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
+    """Returns ``(y, x_pool, h, meta)``; ``x_pool``, ``h`` and ``meta`` are what backward needs."""
+    num_experts = l1_weights.shape[0]
+    top_k = topk_idx.shape[1]
+    cdt = compute_dtype(x)
+    meta = routing(topk_idx, num_experts, routing_align(x))
+    if x.shape[0] == 0:
+        x_pool = x.new_zeros(meta.num_pool_rows, x.shape[1], dtype=cdt)
+        h = x.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
+        return x.new_zeros(x.shape), x_pool, h, meta
+    x_pool = gather_rows(x.to(cdt), meta.row_to_slot, top_k)
+    h = grouped_mm(x_pool, l1_weights.to(cdt).transpose(1, 2), meta)
+    act = swiglu_forward(h, activation_clamp)
+    o = grouped_mm(act, l2_weights.to(cdt).transpose(1, 2), meta)
+    y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
+    return y, x_pool, h, meta
+
+
+def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_weights,
+                 activation_clamp):
+    """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors."""
+    top_k = meta.top_k
+    cdt = x_pool.dtype
+    num_tokens = meta.slot_to_row.shape[0] // top_k
+    if num_tokens == 0:  # shapes are static: no sync; also avoids zero-length contractions
+        return (torch.zeros_like(dy), torch.zeros_like(topk_weights), torch.zeros_like(l1_weights),
+                torch.zeros_like(l2_weights))
+    dy_pool = gather_rows(dy.to(cdt), meta.row_to_slot, top_k)
+    da = grouped_mm(dy_pool, l2_weights.to(cdt), meta)  # l2[e] is [H, I]: dy @ l2[e]
+    flat_w = topk_weights.reshape(-1)
+    row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
+    dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
+    del da
+    d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
+    d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
+    d_l2 = grouped_wgrad(dy_pool, act_w, meta)  # [E, H, I]
+    del dy_pool, act_w
+    dx_pool = grouped_mm(dh, l1_weights.to(cdt), meta)  # l1[e] is [2I, H]: dh @ l1[e]
+    dx = combine_rows(dx_pool, meta.slot_to_row, None, top_k, dy.dtype)
+    del dx_pool
+    d_l1 = grouped_wgrad(dh, x_pool, meta)  # [E, 2I, H]
+    return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)

@@ -1,0 +1,162 @@
+"""Argument checks for the public API. Every error names the argument, the value and the expectation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _env
+
+RECIPES = ("bf16",)
+BACKENDS = ("auto", "torch", "deep_gemm")
+#: Row alignment torch._grouped_mm needs on SM90 (16-byte strides and TMA boxes of bf16 rows).
+_GPU_DIM_MULTIPLE = 8
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_tokens: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    intermediate: int
+
+
+def unsupported_shape_reason(hidden: int, intermediate: int, recipe: str = "bf16",
+                             device_type: str = "cuda") -> str | None:
+    """Why ``(hidden, intermediate)`` cannot run under ``recipe`` on ``device_type``; None if it can."""
+    if recipe not in RECIPES:
+        return f"recipe={recipe!r} is not supported; expected one of {RECIPES}"
+    if hidden <= 0 or intermediate <= 0:
+        return f"hidden={hidden} and intermediate={intermediate} must be positive"
+    if device_type == "cuda":
+        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+            if value % _GPU_DIM_MULTIPLE:
+                return (f"{name}={value} is not a multiple of {_GPU_DIM_MULTIPLE}, which the bf16 GPU "
+                        f"path needs for 16-byte aligned rows")
+    return None
+
+
+def _tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_dim(name: str, t: torch.Tensor, ndim: int, what: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {what}, got shape {tuple(t.shape)}")
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major), got strides {t.stride()} for shape "
+                         f"{tuple(t.shape)}; call .contiguous() first")
+
+
+def compute_float_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    # The GPU path is bf16; the CPU reference path also takes fp32/fp64 (fp64 for gradcheck).
+    if device.type == "cuda":
+        return (torch.bfloat16,)
+    return (torch.bfloat16, torch.float32, torch.float64)
+
+
+def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=None, recipe="bf16",
+                    activation_clamp=None, backend="auto") -> MoEShape:
+    x = _tensor("x", x)
+    topk_idx = _tensor("topk_idx", topk_idx)
+    topk_weights = _tensor("topk_weights", topk_weights)
+    l1_weights = _tensor("l1_weights", l1_weights)
+    l2_weights = _tensor("l2_weights", l2_weights)
+
+    if not isinstance(recipe, str) or recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r} is not supported; expected one of {RECIPES}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
+    if activation_clamp is not None:
+        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
+            raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
+        if not (activation_clamp > 0 and activation_clamp != float("inf")):
+            raise ValueError(f"activation_clamp={activation_clamp} must be a finite positive number or None")
+    if group is not None:
+        size = group.size() if hasattr(group, "size") else None
+        if size != 1:
+            raise NotImplementedError(
+                f"group of size {size}: expert parallelism over several ranks is not available yet; "
+                f"pass group=None (all experts local) or a group of size 1")
+
+    _check_dim("x", x, 2, "[num_tokens, hidden]")
+    _check_dim("topk_idx", topk_idx, 2, "[num_tokens, top_k]")
+    _check_dim("topk_weights", topk_weights, 2, "[num_tokens, top_k]")
+    _check_dim("l1_weights", l1_weights, 3, "[num_experts, 2 * intermediate, hidden]")
+    _check_dim("l2_weights", l2_weights, 3, "[num_experts, hidden, intermediate]")
+
+    device = x.device
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                    ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but x is on {device}; all inputs must share one device")
+
+    dtypes = compute_float_dtypes(device)
+    if x.dtype not in dtypes:
+        raise TypeError(f"x has dtype {x.dtype}; expected one of {dtypes} on {device.type}")
+    for name, t in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
+    if topk_idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"topk_idx has dtype {topk_idx.dtype}; expected torch.int64 or torch.int32")
+    weight_dtypes = (torch.float32,) if x.dtype != torch.float64 else (torch.float32, torch.float64)
+    if topk_weights.dtype not in weight_dtypes:
+        raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected one of {weight_dtypes}")
+
+    num_tokens, hidden = x.shape
+    if topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {num_tokens} tokens")
+    top_k = topk_idx.shape[1]
+    if top_k < 1:
+        raise ValueError(f"topk_idx has top_k={top_k} columns; expected at least 1")
+    if tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected topk_idx's shape "
+                         f"{tuple(topk_idx.shape)}")
+    num_experts, two_i, l1_hidden = l1_weights.shape
+    if num_experts < 1:
+        raise ValueError(f"l1_weights has {num_experts} experts; expected at least 1")
+    if two_i % 2:
+        raise ValueError(f"l1_weights.shape[1]={two_i} must be even (gate rows then up rows)")
+    intermediate = two_i // 2
+    if l1_hidden != hidden:
+        raise ValueError(f"l1_weights.shape[2]={l1_hidden} must equal x's hidden size {hidden}")
+    expected_l2 = (num_experts, hidden, intermediate)
+    if tuple(l2_weights.shape) != expected_l2:
+        raise ValueError(f"l2_weights has shape {tuple(l2_weights.shape)}; expected {expected_l2} "
+                         f"([num_experts, hidden, intermediate] from x and l1_weights)")
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                    ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+        _check_contiguous(name, t)
+
+    reason = unsupported_shape_reason(hidden, intermediate, recipe, device.type)
+    if reason is not None:
+        raise ValueError(reason)
+    return MoEShape(num_tokens, hidden, top_k, num_experts, intermediate)
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Reject ids outside ``[-1, num_experts)``.
+
+    Reading the verdict costs one host sync, so it is skipped while a CUDA graph is being
+    captured (and when ``DGE_CHECK_IDS=0``); there a device-side assertion fires instead. Either
+    way the routing treats such ids as unused slots, so no kernel indexes out of bounds.
+    """
+    if topk_idx.numel() == 0:
+        return
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or not _env.check_ids():
+        if topk_idx.is_cuda:
+            torch._assert_async(~bad.any(), f"topk_idx holds ids outside [-1, {num_experts})")
+        return
+    if bool(bad.any()):
+        pos = bad.nonzero()[0].tolist()
+        value = int(topk_idx[pos[0], pos[1]])
+        raise ValueError(f"topk_idx[{pos[0]}, {pos[1]}] = {value} is out of range; expected expert ids "
+                         f"in [-1, {num_experts}) (-1 marks an unused slot)")

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""MoE layer benchmark: forward and forward+backward medians from CUDA events.
+
+Every implementation runs on the same fresh random inputs in the same process; ratios are against
+the torchtitan-style grouped_mm baseline measured in this run. TFLOP/s counts 6·T·K·H·I per forward
+and three times that for forward+backward. Writes a markdown table (stdout), JSON records and a PNG.
+
+    python scripts/bench.py --json benchmarks/results/h200.json --png benchmarks/results/h200.png
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import deep_gemm_ext as dge  # noqa: E402
+from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, make_inputs  # noqa: E402
+
+
+def _ours(backend="auto", recipe="bf16"):
+    def run(x, idx, w, l1, l2):
+        return dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe, backend=backend)
+    return run
+
+
+def implementations(with_loop: bool):
+    impls = {}
+    if with_loop:
+        impls["loop"] = ("bf16", lambda x, idx, w, l1, l2: hf_loop_moe(x, idx, w, l1, l2))
+    impls["grouped_mm"] = ("bf16", lambda x, idx, w, l1, l2: grouped_mm_moe(x, idx, w, l1, l2))
+    impls["ours"] = ("bf16", _ours())
+    try:
+        from deep_gemm_ext.backends import deepgemm
+        if deepgemm.is_available():
+            for recipe in deepgemm.RECIPES:
+                impls[f"deep_gemm:{recipe}"] = (recipe, _ours("deep_gemm", recipe))
+    except ImportError:
+        pass
+    return impls
+
+
+def time_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_one(fn, inputs, reps):
+    x, idx, w, l1, l2 = inputs
+    dy = torch.randn_like(x)
+    with torch.no_grad():
+        fwd = time_ms(lambda: fn(x, idx, w, l1, l2), reps)
+
+    def fwd_bwd():
+        y = fn(x, idx, w, l1, l2)
+        torch.autograd.grad(y, (x, w, l1, l2), dy)
+
+    fwdbwd = time_ms(fwd_bwd, reps)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return fwd, fwdbwd, torch.cuda.max_memory_allocated() / 2**30
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                       cwd=Path(__file__).parent, text=True).strip()
+    except Exception:
+        return os.environ.get("DGE_COMMIT", "unknown")
+
+
+def draw_png(records, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not found: no chart written to {path}")
+        return
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    impls = list(dict.fromkeys(r["impl"] + ("" if r["impl"] != "ours" else f"({r['recipe']})") for r in records))
+    fig, ax = plt.subplots(figsize=(2 + 2.2 * len(workloads), 4))
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        vals = []
+        for wl in workloads:
+            match = [r for r in records if r["workload"] == wl and
+                     (r["impl"] + ("" if r["impl"] != "ours" else f"({r['recipe']})")) == impl]
+            vals.append(match[0]["tflops"] if match else 0)
+        ax.bar([i + j * width for i in range(len(workloads))], vals, width, label=impl)
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(workloads))])
+    ax.set_xticklabels(workloads, rotation=10, fontsize=8)
+    ax.set_ylabel("forward+backward TFLOP/s")
+    ax.set_title(f"MoE layer, {records[0]['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--loop", action="store_true", help="also time the HF-style loop (slow)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", default=None, help="write records here")
+    p.add_argument("--png", default=None, help="draw a bar chart here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.py needs a CUDA GPU")
+
+    gpu = torch.cuda.get_device_name()
+    commit, date = git_commit(), datetime.date.today().isoformat()
+    impls = implementations(args.loop)
+    records = []
+    for wl_name in args.workloads:
+        wl = WORKLOADS[wl_name]
+        inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
+                             device="cuda", seed=1234)
+        rows = {}
+        for impl, (recipe, fn) in impls.items():
+            fwd, fwdbwd, peak = bench_one(fn, inputs, args.reps)
+            rows[impl] = dict(workload=wl_name, impl=impl.split(":")[0], recipe=recipe, fwd_ms=round(fwd, 4),
+                              fwdbwd_ms=round(fwdbwd, 4),
+                              tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
+                              peak_gib=round(peak, 3), gpu=gpu, commit=commit, date=date)
+        base = rows["grouped_mm"]["fwdbwd_ms"]
+        for r in rows.values():
+            r["ratio_vs_grouped_mm"] = round(base / r["fwdbwd_ms"], 3)
+            records.append(r)
+        del inputs
+        torch.cuda.empty_cache()
+
+    print("| workload | impl | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['workload']} | {r['impl']} | {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
+              f"{r['tflops']:.0f} | {r['ratio_vs_grouped_mm']:.2f}x | {r['peak_gib']:.2f} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.png:
+        draw_png(records, args.png)
+
+
+if __name__ == "__main__":
+    main()
