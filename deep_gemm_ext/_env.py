@@ -66,3 +66,9 @@ def use_jit_kernels() -> bool:
 def check_ids() -> bool:
     """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
     return os.environ.get("DGE_CHECK_IDS", "1") != "0"
+
+
+def cuda_home() -> Path | None:
+    """CUDA_HOME (or CUDA_PATH): the CUDA toolkit the JIT takes nvcc and headers from."""
+    value = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return Path(value).expanduser() if value else None

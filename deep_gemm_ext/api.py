@@ -18,8 +18,9 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     ``activation_clamp=c`` computes ``silu(min(g, c)) * clamp(u, -c, c)``. Returns y [T, H] in x's
     dtype. On CPU this runs the fp32 reference path; on SM90+ bf16 the GPU path.
 
-    backend: ``"auto"`` (best available), ``"torch"`` (the unfused torch._grouped_mm path), or
-    ``"deep_gemm"`` (upstream DeepGEMM's grouped GEMMs; needs deep_gemm installed).
+    backend: ``"auto"`` (our SM90 kernels where they apply, else the torch path), ``"torch"``
+    (grouped GEMMs through ``torch._grouped_mm``), or ``"deep_gemm"`` (upstream DeepGEMM's grouped
+    GEMMs; needs deep_gemm installed).
     """
     validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
                     activation_clamp=activation_clamp, backend=backend)
@@ -30,4 +31,4 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         return deepgemm.mega_moe_train(x, topk_idx, topk_weights, l1_weights, l2_weights,
                                        recipe=recipe, activation_clamp=clamp)
     return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights,
-                                                clamp)[0]
+                                                clamp, backend)[0]

@@ -18,9 +18,8 @@ from .validation import check_expert_ids
 _LIB = "deep_gemm_ext"
 
 
-def _pool_meta(x: torch.Tensor, num_tokens: int, top_k: int, num_experts: int):
-    align = unfused.routing_align(x)
-    return pool_rows(num_tokens * top_k, num_experts, align), align, unfused.compute_dtype(x)
+def _engine(x: torch.Tensor, l1_weights: torch.Tensor, backend: str) -> str:
+    return unfused.gemm_engine(x, l1_weights.shape[2], l1_weights.shape[1] // 2, backend)
 
 
 @torch.library.custom_op(f"{_LIB}::mega_moe_fwd", mutates_args=())
@@ -31,21 +30,24 @@ def mega_moe_fwd(
     l1_weights: torch.Tensor,
     l2_weights: torch.Tensor,
     activation_clamp: Optional[float],
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     num_experts = l1_weights.shape[0]
     check_expert_ids(topk_idx, num_experts)
     y, x_pool, h, meta = unfused.moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights,
-                                             activation_clamp)
+                                             activation_clamp, _engine(x, l1_weights, backend))
     return (y, x_pool, h, *meta.tensors())
 
 
 @mega_moe_fwd.register_fake
-def _(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
+def _(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backend):
     num_tokens, hidden = x.shape
     top_k = topk_idx.shape[1]
     num_experts, two_i, _ = l1_weights.shape
-    rows, _, cdt = _pool_meta(x, num_tokens, top_k, num_experts)
+    engine = _engine(x, l1_weights, backend)
+    rows = pool_rows(num_tokens * top_k, num_experts, unfused.ROUTING_ALIGN[engine])
+    cdt = unfused.compute_dtype(x, engine)
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
         x.new_empty(num_tokens, hidden),
@@ -73,35 +75,37 @@ def mega_moe_bwd(
     slot_to_row: torch.Tensor,
     row_to_slot: torch.Tensor,
     activation_clamp: Optional[float],
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     top_k = topk_weights.shape[1]
+    engine = _engine(dy, l1_weights, backend)
     meta = RoutingMeta(counts, starts, ends, slot_to_row, row_to_slot, num_experts=l1_weights.shape[0],
-                       top_k=top_k, align=unfused.routing_align(dy))
-    dy = dy.contiguous()
-    return unfused.moe_backward(dy, x_pool, h, meta, topk_weights, l1_weights, l2_weights,
-                                activation_clamp)
+                       top_k=top_k, align=unfused.ROUTING_ALIGN[engine])
+    return unfused.moe_backward(dy.contiguous(), x_pool, h, meta, topk_weights, l1_weights, l2_weights,
+                                activation_clamp, engine)
 
 
 @mega_moe_bwd.register_fake
 def _(dy, x_pool, h, topk_weights, l1_weights, l2_weights, counts, starts, ends, slot_to_row,
-      row_to_slot, activation_clamp):
+      row_to_slot, activation_clamp, backend):
     return (torch.empty_like(dy), torch.empty_like(topk_weights), torch.empty_like(l1_weights),
             torch.empty_like(l2_weights))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp = inputs
+    x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backend = inputs
     _, x_pool, h, *meta = output
     ctx.mark_non_differentiable(x_pool, h, *meta)
     ctx.activation_clamp = activation_clamp
+    ctx.backend = backend
     ctx.save_for_backward(x_pool, h, topk_weights, l1_weights, l2_weights, *meta)
 
 
 def _backward(ctx, dy, *unused_grads):
     x_pool, h, topk_weights, l1_weights, l2_weights, *meta = ctx.saved_tensors
     dx, d_topk, d_l1, d_l2 = torch.ops.deep_gemm_ext.mega_moe_bwd(
-        dy, x_pool, h, topk_weights, l1_weights, l2_weights, *meta, ctx.activation_clamp)
-    return dx, None, d_topk, d_l1, d_l2, None
+        dy, x_pool, h, topk_weights, l1_weights, l2_weights, *meta, ctx.activation_clamp, ctx.backend)
+    return dx, None, d_topk, d_l1, d_l2, None, None
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -24,11 +24,6 @@ from .routing import RoutingMeta, compute_routing_torch
 # Which implementation runs each step.
 
 
-def uses_grouped_mm(t: torch.Tensor) -> bool:
-    """bf16 CUDA tensors on SM90+ go through torch._grouped_mm; everything else loops over experts."""
-    return t.is_cuda and t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] >= 9
-
-
 @functools.lru_cache(maxsize=None)
 def _jit_kernels_for(device_index: int):
     try:
@@ -45,16 +40,33 @@ def jit_kernels(t: torch.Tensor):
     return _jit_kernels_for(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """dtype of the pool, h and the GEMMs: bf16 on the GPU path, fp32/fp64 on the reference path."""
-    if uses_grouped_mm(x):
+def sm90_gemm_supported(hidden: int, intermediate: int) -> bool:
+    """Shapes our SM90 grouped GEMMs take: 128-row weight-gradient tiles over H and 2I, and 64-deep
+    K blocks of the dgrad GEMMs (K = H and K = 2I)."""
+    return hidden % 128 == 0 and (2 * intermediate) % 128 == 0
+
+
+def gemm_engine(x: torch.Tensor, hidden: int, intermediate: int, backend: str = "auto") -> str:
+    """Who runs the grouped GEMMs: ``"sm90"`` (our JIT kernels), ``"grouped_mm"`` (torch) or
+    ``"loop"`` (a loop over experts in fp32/fp64: the CPU reference path)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        return "loop"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (backend == "auto" and (major, minor) == (9, 0) and sm90_gemm_supported(hidden, intermediate)
+            and jit_kernels(x) is not None):
+        return "sm90"
+    return "grouped_mm" if major >= 9 else "loop"
+
+
+def compute_dtype(x: torch.Tensor, engine: str) -> torch.dtype:
+    """dtype of the pool, h and the GEMMs: bf16 on the GPU engines, fp32/fp64 on the loop."""
+    if engine != "loop":
         return torch.bfloat16
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def routing_align(x: torch.Tensor) -> int:
-    # torch._grouped_mm needs 16-byte aligned group starts for its k-grouped (wgrad) form.
-    return 16 if uses_grouped_mm(x) else 1
+#: Rows per expert group: our kernels' M tile; torch._grouped_mm's 16-byte k-grouped starts.
+ROUTING_ALIGN = {"sm90": 128, "grouped_mm": 16, "loop": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,12 +151,25 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
     return dh, d_row_weight.to(torch.float32 if acc == torch.float32 else acc), (act * w).to(h.dtype)
 
 
-def grouped_mm(a: torch.Tensor, b_kn: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b_kn[e] for a [P, K] pool and b_kn [E, K, N] (any strides).
+def grouped_mm_nt(a: torch.Tensor, w: torch.Tensor, meta: RoutingMeta, engine: str) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ w[e].T for a [P, K] pool and weights w [E, N, K].
 
-    Rows past ``meta.ends[-1]`` are left unwritten: nothing reads them.
+    Rows no expert owns (past ``meta.ends[-1]``) are left unwritten: nothing reads them.
     """
-    if uses_grouped_mm(a):
+    if engine == "sm90":
+        return jit_kernels(a).m_grouped_bf16_gemm_nt_contiguous(a, w, meta.starts, meta.ends)
+    return _grouped_mm_torch(a, w.transpose(1, 2), meta, engine)
+
+
+def grouped_mm_nn(a: torch.Tensor, w: torch.Tensor, meta: RoutingMeta, engine: str) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ w[e] for a [P, K] pool and weights w [E, K, N]."""
+    if engine == "sm90":
+        return jit_kernels(a).m_grouped_bf16_gemm_nn_contiguous(a, w, meta.starts, meta.ends)
+    return _grouped_mm_torch(a, w, meta, engine)
+
+
+def _grouped_mm_torch(a, b_kn, meta, engine):
+    if engine == "grouped_mm":
         return torch._grouped_mm(a, b_kn, offs=meta.ends)
     out = a.new_zeros(a.shape[0], b_kn.shape[2])
     for e, (start, end) in enumerate(zip(meta.starts.tolist(), meta.ends.tolist())):
@@ -153,9 +178,11 @@ def grouped_mm(a: torch.Tensor, b_kn: torch.Tensor, meta: RoutingMeta) -> torch.
     return out
 
 
-def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta, engine: str) -> torch.Tensor:
     """dW[e] = a[rows of e]^T @ b[rows of e]: [E, a.shape[1], b.shape[1]], zero for empty experts."""
-    if uses_grouped_mm(a):
+    if engine == "sm90":
+        return jit_kernels(a).k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends)
+    if engine == "grouped_mm":
         # Empty groups come out as zeros on SM90 (k-grouped with K = 0).
         return torch._grouped_mm(a.t(), b, offs=meta.ends)
     out = a.new_zeros(meta.num_experts, a.shape[1], b.shape[1])
@@ -169,26 +196,26 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta) -> torch.
 # The layer.
 
 
-def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
+def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, engine):
     """Returns ``(y, x_pool, h, meta)``; ``x_pool``, ``h`` and ``meta`` are what backward needs."""
     num_experts = l1_weights.shape[0]
     top_k = topk_idx.shape[1]
-    cdt = compute_dtype(x)
-    meta = routing(topk_idx, num_experts, routing_align(x))
+    cdt = compute_dtype(x, engine)
+    meta = routing(topk_idx, num_experts, ROUTING_ALIGN[engine])
     if x.shape[0] == 0:
         x_pool = x.new_zeros(meta.num_pool_rows, x.shape[1], dtype=cdt)
         h = x.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
         return x.new_zeros(x.shape), x_pool, h, meta
     x_pool = gather_rows(x.to(cdt), meta.row_to_slot, top_k)
-    h = grouped_mm(x_pool, l1_weights.to(cdt).transpose(1, 2), meta)
+    h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine)
     act = swiglu_forward(h, activation_clamp)
-    o = grouped_mm(act, l2_weights.to(cdt).transpose(1, 2), meta)
+    o = grouped_mm_nt(act, l2_weights.to(cdt), meta, engine)
     y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
     return y, x_pool, h, meta
 
 
 def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_weights,
-                 activation_clamp):
+                 activation_clamp, engine):
     """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors."""
     top_k = meta.top_k
     cdt = x_pool.dtype
@@ -197,17 +224,17 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
         return (torch.zeros_like(dy), torch.zeros_like(topk_weights), torch.zeros_like(l1_weights),
                 torch.zeros_like(l2_weights))
     dy_pool = gather_rows(dy.to(cdt), meta.row_to_slot, top_k)
-    da = grouped_mm(dy_pool, l2_weights.to(cdt), meta)  # l2[e] is [H, I]: dy @ l2[e]
+    da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
     flat_w = topk_weights.reshape(-1)
     row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
     dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
     del da
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
     d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
-    d_l2 = grouped_wgrad(dy_pool, act_w, meta)  # [E, H, I]
+    d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
     del dy_pool, act_w
-    dx_pool = grouped_mm(dh, l1_weights.to(cdt), meta)  # l1[e] is [2I, H]: dh @ l1[e]
+    dx_pool = grouped_mm_nn(dh, l1_weights.to(cdt), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
     dx = combine_rows(dx_pool, meta.slot_to_row, None, top_k, dy.dtype)
     del dx_pool
-    d_l1 = grouped_wgrad(dh, x_pool, meta)  # [E, 2I, H]
+    d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
     return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)

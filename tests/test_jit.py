@@ -292,7 +292,7 @@ def test_no_compiler_error_is_clear(cache_dir, monkeypatch):
 
 
 def test_registered_configs_cover_the_jit_kernels():
-    groups = jit.registered_configs()
+    groups = jit.registered_configs(strict=False)
     names = {config.name for configs in groups.values() for config in configs}
     assert {"moe_routing", "swiglu", "gather_combine"} <= set(groups)
     assert {"moe_routing_scatter_int64", "swiglu_backward_clamp", "combine_rows_weighted"} <= names

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deep_gemm_ext.jit_kernels import combine_rows, gather_rows, routing, routing_metadata, swiglu_backward, swiglu_forward
+from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, routing, routing_metadata, swiglu_backward,
+                                       swiglu_forward)
 
 
 def test_routing_rejects_bad_inputs():

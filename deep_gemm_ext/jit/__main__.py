@@ -1,0 +1,97 @@
+"""``python -m deep_gemm_ext.jit build --arch sm_90a --all``: compile every registered config (no GPU needed).
+
+Prints ptxas' resource report per kernel and, for GEMM kernels, whether the PTX issues
+``wgmma.mma_async``. Exits non-zero on a compile error or on register spills in a GEMM kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from .compiler import DEFAULT_ARCH, compile_cached
+from .registry import Config, import_kernel_modules, registered_configs
+
+
+def _build_one(config: Config, arch: str):
+    try:
+        return compile_cached(config.name, config.code, arch, want_ptx=config.is_gemm), None
+    except Exception as exc:  # reported per kernel; the exit code carries the failure
+        return None, exc
+
+
+def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]]:
+    problems = []
+    if error is not None:
+        return [group, config.name, "ERROR", "", "", "", "", "", ""], [f"{config.name}: {error}"]
+    usages = entry.resources()
+    if not usages:
+        problems.append(f"{config.name}: no ptxas report in {entry.path / 'ptxas.log'}")
+        usage = None
+    else:
+        usage = max(usages, key=lambda u: (u.registers, u.spill_bytes))
+    wgmma = ""
+    if config.is_gemm:
+        wgmma = "yes" if "wgmma.mma_async" in entry.ptx_path.read_text() else "NO"
+        if usage is not None and usage.spill_bytes:
+            problems.append(f"{config.name}: GEMM kernel spills {usage.spill_stores} B stores + "
+                            f"{usage.spill_loads} B loads")
+    dyn = "-" if config.dynamic_smem is None else str(config.dynamic_smem)
+    cells = [group, config.name,
+             str(usage.registers) if usage else "?",
+             f"{usage.spill_stores}+{usage.spill_loads}" if usage else "?",
+             str(usage.static_smem) if usage else "?", dyn, wgmma or "-",
+             f"{entry.seconds:.1f}s" if entry.compiled else "cached", str(entry.path.name)]
+    return cells, problems
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    header = ["group", "config", "regs", "spill st+ld B", "static smem B", "dyn smem B", "wgmma", "compile",
+              "cache entry"]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths]] + rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deep_gemm_ext.jit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="compile registered kernel configurations into the JIT cache")
+    build.add_argument("--arch", default=DEFAULT_ARCH, help=f"target, e.g. {DEFAULT_ARCH}")
+    build.add_argument("--all", action="store_true", help="every registered configuration")
+    build.add_argument("--only", action="append", default=[],
+                       help="configurations whose group or name contains this text (repeatable)")
+    build.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    args = parser.parse_args(argv)
+
+    if not args.all and not args.only:
+        parser.error("build: give --all or at least one --only")
+    # With --all a module that fails to import is a failure; with --only it is reported only.
+    import_failures = [f"{name}: {type(exc).__name__}: {exc}" for name, exc in import_kernel_modules().items()]
+    for failure in import_failures:
+        print(f"{'FAILED' if args.all else 'WARNING'} import {failure}", file=sys.stderr)
+    selected = [(group, config) for group, configs in registered_configs(strict=False).items() for config in configs
+                if args.all or any(s in group or s in config.name for s in args.only)]
+    if not selected:
+        print("no registered configuration matches", file=sys.stderr)
+        return 1
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda item: _build_one(item[1], args.arch), selected))
+
+    rows, problems, failed = [], [], 0
+    for (group, config), (entry, error) in zip(selected, results):
+        cells, issues = _row(group, config, entry, error)
+        rows.append(cells)
+        problems += issues
+        failed += bool(issues)
+    _print_table(rows)
+    for problem in problems:
+        print(f"FAILED {problem}", file=sys.stderr)
+    print(f"{len(selected) - failed}/{len(selected)} configurations OK for {args.arch}")
+    return 1 if problems or (args.all and import_failures) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Load cubins with the CUDA driver API (cuda-python) and launch them on torch's streams.
+
+The launch path is built for small host overhead: the kernel handle, launch configs (one per
+grid/block/smem/cluster/pdl/device combination) and the ``void*`` parameter array are resolved
+once; a warm launch does one dict lookup, writes the argument addresses into the reused array
+and calls ``cuLaunchKernelEx`` with that array's raw address.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+import torch
+
+from . import compiler
+from .tma import TensorMap
+
+_SCALAR_TYPES = frozenset({ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float})
+_MAX_PLANS = 256
+
+
+def driver():
+    """The cuda-python driver module, or a clear error where it is missing."""
+    try:
+        from cuda.bindings import driver as cuda_driver
+    except ImportError as exc:
+        raise RuntimeError("deep_gemm_ext.jit needs cuda-python (`pip install cuda-bindings`) to load and "
+                           "launch kernels") from exc
+    return cuda_driver
+
+
+def check(result, what: str):
+    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising RuntimeError on failure."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != 0:
+        cuda = driver()
+        name = cuda.cuGetErrorName(err)[1]
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name} ({int(err)})")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} needs a CUDA device, but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__})")
+
+
+def _ensure_context(device: int) -> None:
+    """Make torch's primary context current on this thread (a new thread may have none yet)."""
+    cuda = driver()
+    handle = check(cuda.cuDeviceGet(device), "cuDeviceGet")
+    context = check(cuda.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
+    check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+class _Plan:
+    """A reusable launch config for one (grid, block, smem, cluster, pdl, device)."""
+
+    __slots__ = ("config", "attrs")
+
+    def __init__(self, cuda, grid, block, smem, cluster, pdl):
+        config = cuda.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = smem
+        attrs = []
+        if cluster is not None and tuple(cluster) != (1, 1, 1):
+            attr = cuda.CUlaunchAttribute()
+            attr.id = cuda.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            attrs.append(attr)
+        if pdl:
+            attr = cuda.CUlaunchAttribute()
+            attr.id = cuda.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
+        self.config = config
+        self.attrs = attrs  # keeps the attribute objects alive with the config
+
+
+class _ParamBuffer:
+    """The ``void*[]`` handed to the driver, plus 8-byte slots holding tensor pointers."""
+
+    __slots__ = ("nargs", "params", "address", "pointers", "pointer_addresses")
+
+    def __init__(self, nargs: int):
+        self.nargs = nargs
+        self.params = (ctypes.c_void_p * max(nargs, 1))()
+        self.address = ctypes.addressof(self.params)
+        self.pointers = [ctypes.c_uint64() for _ in range(nargs)]
+        self.pointer_addresses = [ctypes.addressof(slot) for slot in self.pointers]
+
+
+def _check_dims(label: str, dims) -> tuple[int, int, int]:
+    if not (isinstance(dims, tuple) and len(dims) == 3 and all(isinstance(d, int) and d >= 1 for d in dims)):
+        raise ValueError(f"{label}={dims!r}: expected a tuple of three positive ints")
+    return dims
+
+
+class Kernel:
+    """One compiled ``__global__`` function; loaded into the driver on its first launch."""
+
+    def __init__(self, name: str, entry: compiler.CacheEntry, arch: str):
+        self.name = name
+        self.entry = entry
+        self.arch = arch
+        self._function = None  # CUfunction-cast CUkernel, context independent
+        self._kernel = None
+        self._library = None
+        self._load_lock = threading.Lock()
+        self._plans: dict = {}
+        self._smem_limit: dict[int, int] = {}  # device -> max dynamic smem already allowed
+        # Parameter buffers per thread: the autograd engine launches from its own threads.
+        self._buffers = threading.local()
+
+    @property
+    def cubin_path(self):
+        return self.entry.cubin_path
+
+    def resources(self) -> list[compiler.ResourceUsage]:
+        return self.entry.resources()
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, {self.entry.path})"
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        with self._load_lock:
+            if self._function is not None:
+                return
+            _require_cuda(f"launching kernel {self.name!r}")
+            torch.cuda.init()
+            device = torch.cuda.current_device()
+            self._check_arch(device)
+            cuda = driver()
+            data = self.entry.cubin_path.read_bytes()
+            library = check(cuda.cuLibraryLoadData(data, None, None, 0, None, None, 0),
+                            f"cuLibraryLoadData({self.entry.cubin_path})")
+            count = check(cuda.cuLibraryGetKernelCount(library), "cuLibraryGetKernelCount")
+            kernels = check(cuda.cuLibraryEnumerateKernels(count, library), "cuLibraryEnumerateKernels")
+            if count != 1:
+                names = [check(cuda.cuKernelGetName(k), "cuKernelGetName") for k in kernels]
+                raise RuntimeError(f"{self.entry.cubin_path} holds {count} kernels {names}: a JIT source must "
+                                   f"instantiate exactly one __global__ function")
+            self._library = library
+            self._kernel = kernels[0]
+            self._function = cuda.CUfunction(int(kernels[0]))
+
+    def _check_arch(self, device: int) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        digits = self.arch[3:].rstrip("abcdefghijklmnopqrstuvwxyz")
+        if digits != f"{major}{minor}":
+            raise RuntimeError(f"kernel {self.name!r} was built for {self.arch}, but device {device} "
+                               f"({torch.cuda.get_device_name(device)}) is sm_{major}{minor}")
+
+    # -- launching -------------------------------------------------------------------------------
+
+    def _plan(self, key, grid, block, smem, cluster, pdl, device):
+        _check_dims("grid", grid)
+        _check_dims("block", block)
+        if cluster is not None:
+            _check_dims("cluster", cluster)
+        if not isinstance(smem, int) or smem < 0:
+            raise ValueError(f"smem={smem!r}: expected a non-negative int (bytes of dynamic shared memory)")
+        cuda = driver()
+        if smem > self._smem_limit.get(device, 48 * 1024):
+            check(cuda.cuKernelSetAttribute(
+                cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, self._kernel,
+                check(cuda.cuDeviceGet(device), "cuDeviceGet")),
+                f"raising the dynamic shared memory of {self.name!r} to {smem} bytes")
+            self._smem_limit[device] = smem
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        plan = self._plans[key] = _Plan(cuda, grid, block, smem, cluster, pdl)
+        return plan
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, *, smem: int = 0,
+               stream: torch.cuda.Stream | None = None, cluster: tuple[int, int, int] | None = None,
+               pdl: bool = False) -> None:
+        """Launch on ``stream`` (default: torch's current stream of the current device).
+
+        ``args``: torch.Tensor (device pointer), jit.TensorMap (128-byte CUtensorMap by value) or
+        ctypes c_int32/c_uint32/c_int64/c_uint64/c_float; the types must match the kernel signature.
+        """
+        if self._function is None:
+            self._load()
+        device = torch._C._cuda_getDevice()
+        plan = self._plans.get((grid, block, smem, cluster, pdl, device))
+        if plan is None:
+            plan = self._plan((grid, block, smem, cluster, pdl, device), grid, block, smem, cluster, pdl, device)
+
+        buffer = getattr(self._buffers, "current", None)
+        if buffer is None or buffer.nargs != len(args):
+            buffer = self._buffers.current = _ParamBuffer(len(args))
+        params = buffer.params
+        for i, arg in enumerate(args):
+            kind = type(arg)
+            if kind is torch.Tensor or (kind not in _SCALAR_TYPES and isinstance(arg, torch.Tensor)):
+                if not arg.is_cuda:
+                    raise ValueError(f"{self.name}: argument {i} is a tensor on {arg.device}, expected a CUDA tensor")
+                buffer.pointers[i].value = arg.data_ptr()
+                params[i] = buffer.pointer_addresses[i]
+            elif kind in _SCALAR_TYPES:
+                params[i] = ctypes.addressof(arg)
+            elif kind is TensorMap:
+                params[i] = arg.address
+            else:
+                raise TypeError(f"{self.name}: argument {i} has type {kind.__name__}; expected torch.Tensor, "
+                                f"jit.TensorMap or one of ctypes c_int32/c_uint32/c_int64/c_uint64/c_float "
+                                f"(plain Python numbers are ambiguous)")
+
+        plan.config.hStream = (torch._C._cuda_getCurrentRawStream(device) if stream is None
+                               else stream.cuda_stream)
+        (err,) = _launch(plan.config, self._function, buffer.address, 0)
+        if err != 0:
+            if err == _INVALID_CONTEXT:
+                _ensure_context(device)
+                (err,) = _launch(plan.config, self._function, buffer.address, 0)
+            if err != 0:
+                check((err,), f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem})")
+
+
+def _launch(config, function, params, extra):
+    # Bound at first use so importing this module needs no CUDA driver.
+    global _launch, _INVALID_CONTEXT
+    cuda = driver()
+    _INVALID_CONTEXT = cuda.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    _launch = cuda.cuLaunchKernelEx
+    return _launch(config, function, params, extra)
+
+
+_INVALID_CONTEXT = -1
+
+_kernels: dict[tuple[str, str, str], Kernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def build(name: str, code: str, *, arch: str | None = None) -> Kernel:
+    """Compile (or find in the caches) the one kernel that ``code`` instantiates.
+
+    Works without a GPU (the cubin lands in the disk cache); loading waits for the first launch.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name={name!r}: expected a non-empty str")
+    if not isinstance(code, str):
+        raise TypeError(f"code: expected str, got {type(code).__name__}")
+    arch = arch or compiler.DEFAULT_ARCH
+    key = (name, code, arch)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    entry = compiler.compile_cached(name, code, arch)
+    with _kernels_lock:
+        return _kernels.setdefault(key, Kernel(name, entry, arch))
+
+
+_sm_counts: dict = {}
+
+
+def num_sms(device: torch.device | int | None = None) -> int:
+    """Multiprocessor count of ``device`` (default: current), cached: grid sizes of persistent kernels."""
+    count = _sm_counts.get(device)  # keyed by the argument itself: the warm path converts nothing
+    if count is None:
+        resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        if resolved.index is None:  # "the current device": resolve it, cache only the concrete index
+            return num_sms(torch.cuda.current_device())
+        count = _sm_counts[device] = torch.cuda.get_device_properties(resolved.index).multi_processor_count
+    return count
+
+
+def device_guard(tensor: torch.Tensor):
+    """A context that makes ``tensor``'s GPU current, free when it already is."""
+    if tensor.device.index == torch._C._cuda_getDevice():
+        return contextlib.nullcontext()
+    return torch.cuda.device(tensor.device)

@@ -1,0 +1,112 @@
+"""TMA descriptors (CUtensorMap) built on the host and passed to kernels by value."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_TENSOR_MAP_BYTES = 128
+_TENSOR_MAP_ALIGN = 64
+
+
+class TensorMap:
+    """A 128-byte CUtensorMap in 64-byte aligned host memory; keeps its tensor alive."""
+
+    __slots__ = ("_storage", "address", "tensor", "rows", "cols", "box_rows", "box_cols", "swizzle")
+
+    def __init__(self, raw: bytes, tensor: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int,
+                 swizzle: int):
+        if len(raw) != _TENSOR_MAP_BYTES:
+            raise ValueError(f"a CUtensorMap is {_TENSOR_MAP_BYTES} bytes, got {len(raw)}")
+        self._storage = (ctypes.c_ubyte * (_TENSOR_MAP_BYTES + _TENSOR_MAP_ALIGN))()
+        base = ctypes.addressof(self._storage)
+        self.address = (base + _TENSOR_MAP_ALIGN - 1) // _TENSOR_MAP_ALIGN * _TENSOR_MAP_ALIGN
+        ctypes.memmove(self.address, raw, _TENSOR_MAP_BYTES)
+        self.tensor = tensor
+        self.rows, self.cols = rows, cols
+        self.box_rows, self.box_cols = box_rows, box_cols
+        self.swizzle = swizzle
+
+    def raw(self) -> bytes:
+        return ctypes.string_at(self.address, _TENSOR_MAP_BYTES)
+
+    def __repr__(self) -> str:
+        return (f"TensorMap({self.rows}x{self.cols} {self.tensor.dtype}, box {self.box_rows}x{self.box_cols}, "
+                f"swizzle {self.swizzle})")
+
+
+def _data_type(cuda, dtype: torch.dtype):
+    kinds = cuda.CUtensorMapDataType
+    table = {
+        torch.bfloat16: kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        torch.float16: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        torch.float32: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        torch.int32: kinds.CU_TENSOR_MAP_DATA_TYPE_INT32,
+        torch.uint8: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        torch.float8_e4m3fn: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        torch.float8_e5m2: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+    }
+    if dtype not in table:
+        raise TypeError(f"make_tma_2d: tensor dtype {dtype} is not supported; expected one of "
+                        f"{sorted(str(d) for d in table)}")
+    return table[dtype]
+
+
+def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: int = 128, rows: int | None = None,
+                cols: int | None = None, row_stride_elems: int | None = None) -> TensorMap:
+    """A 2-D tiled tensor map over the row-major view ``[rows, cols]`` of ``tensor`` (cols contiguous).
+
+    Defaults: ``cols = tensor.shape[-1]``, ``rows = numel // cols`` (a 3-D ``[E, N, K]`` weight is
+    ``[E*N, K]``), ``row_stride_elems = cols``. Out-of-bounds boxes read zeros.
+    """
+    from .runtime import check, driver
+
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
+        raise ValueError(f"make_tma_2d: expected a CUDA tensor, got "
+                         f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+    if tensor.dim() == 0 or tensor.stride(-1) != 1:
+        raise ValueError(f"make_tma_2d: the last dimension must be contiguous, got strides {tuple(tensor.stride())}")
+    if swizzle not in (0, 32, 64, 128):
+        raise ValueError(f"swizzle={swizzle}: expected 0, 32, 64 or 128 (bytes)")
+    cuda = driver()
+    data_type = _data_type(cuda, tensor.dtype)
+    elem = tensor.element_size()
+    cols = tensor.shape[-1] if cols is None else cols
+    rows = (tensor.numel() // cols if cols else 0) if rows is None else rows
+    row_stride_elems = cols if row_stride_elems is None else row_stride_elems
+    if rows < 1 or cols < 1:
+        raise ValueError(f"make_tma_2d: rows={rows}, cols={cols}: expected both >= 1")
+    if not (1 <= box_rows <= 256 and 1 <= box_cols <= 256):
+        raise ValueError(f"box=({box_rows}, {box_cols}): each side must be in [1, 256]")
+    if (box_cols * elem) % 16:
+        raise ValueError(f"box_cols={box_cols}: the inner box must span a multiple of 16 bytes "
+                         f"({box_cols} x {elem} B)")
+    if swizzle and box_cols * elem > swizzle:
+        raise ValueError(f"box_cols={box_cols}: {box_cols * elem} B exceeds the {swizzle}-byte swizzle span")
+    if (row_stride_elems * elem) % 16 or row_stride_elems < cols:
+        raise ValueError(f"row_stride_elems={row_stride_elems}: expected >= cols ({cols}) and a multiple of "
+                         f"16 bytes ({elem} B elements)")
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"make_tma_2d: tensor address {tensor.data_ptr():#x} is not 16-byte aligned")
+    needed = (rows - 1) * row_stride_elems + cols
+    available = tensor.untyped_storage().nbytes() // elem - tensor.storage_offset()
+    if needed > available:
+        raise ValueError(f"make_tma_2d: a [{rows}, {cols}] view with row stride {row_stride_elems} needs "
+                         f"{needed} elements, the tensor's storage has {available}")
+
+    swizzles = cuda.CUtensorMapSwizzle
+    swizzle_mode = {0: swizzles.CU_TENSOR_MAP_SWIZZLE_NONE, 32: swizzles.CU_TENSOR_MAP_SWIZZLE_32B,
+                    64: swizzles.CU_TENSOR_MAP_SWIZZLE_64B, 128: swizzles.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle]
+    tensor_map = check(cuda.cuTensorMapEncodeTiled(
+        data_type, 2, tensor.data_ptr(),
+        [cuda.cuuint64_t(cols), cuda.cuuint64_t(rows)],
+        [cuda.cuuint64_t(row_stride_elems * elem)],
+        [cuda.cuuint32_t(box_cols), cuda.cuuint32_t(box_rows)],
+        [cuda.cuuint32_t(1), cuda.cuuint32_t(1)],
+        cuda.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        swizzle_mode,
+        cuda.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cuda.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    ), "cuTensorMapEncodeTiled")
+    raw = ctypes.string_at(tensor_map.getPtr(), _TENSOR_MAP_BYTES)
+    return TensorMap(raw, tensor, rows, cols, box_rows, box_cols, swizzle)

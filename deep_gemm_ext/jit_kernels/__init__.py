@@ -1,0 +1,32 @@
+"""Host side of the JIT kernels: input checks, template rendering and launches, one module per
+kernel family (named like the header it instantiates). Each module registers its configurations
+with ``@jit.register`` for ``python -m deep_gemm_ext.jit build --all``."""
+import functools
+
+import torch
+
+from .gather_combine import combine_rows, gather_rows
+from .routing import routing_metadata
+from .sm90_bf16_grouped_gemm import (k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
+                                     m_grouped_bf16_gemm_nt_contiguous)
+from .swiglu import swiglu_backward, swiglu_forward
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int) -> bool:
+    """True when the kernels can run on this device: an SM90 GPU (they are built for sm_90a) and a
+    CUDA compiler (nvcc or NVRTC) to build them."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    from ..jit import select_compiler
+
+    try:
+        select_compiler()
+    except RuntimeError:
+        return False
+    return True
+
+
+__all__ = ["available", "combine_rows", "gather_rows", "k_grouped_bf16_gemm_tn_contiguous",
+           "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_contiguous", "routing_metadata",
+           "swiglu_backward", "swiglu_forward"]

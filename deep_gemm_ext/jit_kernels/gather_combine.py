@@ -1,0 +1,116 @@
+"""Dispatch (gather tokens into the expert-ordered pool) and combine (weighted top-k sum back)
+on one GPU, by routing metadata (kernels/impls/gather_combine.cuh). Deterministic, no atomics."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import jit
+
+_INCLUDE = "#include <impls/gather_combine.cuh>\n"
+_THREADS = 256
+_WARPS = _THREADS // 32
+_CTAS_PER_SM = 8
+MAX_TOP_K = 32
+# Element sizes the gather serves: bf16 activations and (planned) fp8 ones.
+_GATHER_DTYPES = {torch.bfloat16: 2, torch.float8_e4m3fn: 1}
+
+
+def _gather_code(elem_bytes: int) -> str:
+    return _INCLUDE + (f"template __global__ void dge::gather_rows_kernel<{elem_bytes}>"
+                       f"(const void*, const int*, void*, long long, int, int, int);\n")
+
+
+def _combine_code(weighted: bool) -> str:
+    return _INCLUDE + (f"template __global__ void dge::combine_rows_kernel<{'true' if weighted else 'false'}>"
+                       f"(const __nv_bfloat16*, const int*, const float*, __nv_bfloat16*, long long, int, int, int);\n")
+
+
+_GATHER = {b: (f"gather_rows_{8 * b}bit", _gather_code(b)) for b in sorted(set(_GATHER_DTYPES.values()))}
+_COMBINE = {w: (f"combine_rows_{'weighted' if w else 'unweighted'}", _combine_code(w)) for w in (False, True)}
+
+
+@jit.register("gather_combine")
+def configs():
+    return [(name, code, False) for name, code in [*_GATHER.values(), *_COMBINE.values()]]
+
+
+def _grid(rows: int, device) -> tuple[int, int, int]:
+    return (max(1, min(-(-rows // _WARPS), jit.num_sms(device) * _CTAS_PER_SM)), 1, 1)
+
+
+def _check_cuda(label: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
+        raise ValueError(f"{label}: expected a CUDA tensor, got "
+                         f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+
+
+def _check_index(label: str, tensor, device) -> None:
+    _check_cuda(label, tensor)
+    if tensor.dtype != torch.int32 or tensor.dim() != 1:
+        raise ValueError(f"{label}: expected a 1-D int32 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{label}: on {tensor.device}, expected {device}")
+
+
+def _check_top_k(top_k, limit: int | None = None) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (limit is not None and top_k > limit):
+        raise ValueError(f"top_k={top_k!r}: expected an int in [1, {limit or 'inf'}]")
+
+
+def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> torch.Tensor:
+    """pool [P, H]: row r = x[row_to_slot[r] // top_k], zeros where row_to_slot[r] < 0."""
+    _check_cuda("x", x)
+    if x.dtype not in _GATHER_DTYPES:
+        raise TypeError(f"x: dtype {x.dtype}, expected one of {list(_GATHER_DTYPES)}")
+    elem = _GATHER_DTYPES[x.dtype]
+    if x.dim() != 2 or (x.shape[1] * elem) % 16:
+        raise ValueError(f"x: shape {tuple(x.shape)}, expected [T, H] with H * {elem} bytes a multiple of 16")
+    _check_index("row_to_slot", row_to_slot, x.device)
+    _check_top_k(top_k)
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    rows = row_to_slot.shape[0]
+    pool = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    if rows == 0 or hidden == 0:
+        return pool
+    with jit.device_guard(x):
+        jit.build(*_GATHER[elem]).launch(
+            _grid(rows, x.device), (_THREADS, 1, 1),
+            (x, row_to_slot, pool, ctypes.c_int64(rows), ctypes.c_int32(hidden), ctypes.c_int32(top_k),
+             ctypes.c_int32(num_tokens)))
+    return pool
+
+
+def combine_rows(o: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tensor | None,
+                 top_k: int) -> torch.Tensor:
+    """y [T, H] bf16: y[t] = sum over k = 0..K-1 of weights[t, k] * o[slot_to_row[t*K + k]] in fp32,
+    skipping unused slots (-1); ``weights=None`` means all ones."""
+    _check_cuda("o", o)
+    if o.dtype != torch.bfloat16 or o.dim() != 2 or o.shape[1] % 8:
+        raise ValueError(f"o: expected a bf16 [P, H] tensor with H divisible by 8, got {o.dtype} {tuple(o.shape)}")
+    _check_index("slot_to_row", slot_to_row, o.device)
+    _check_top_k(top_k, MAX_TOP_K)
+    if slot_to_row.shape[0] % top_k:
+        raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots is not a multiple of top_k={top_k}")
+    num_tokens = slot_to_row.shape[0] // top_k
+    if weights is not None:
+        _check_cuda("weights", weights)
+        if weights.dtype != torch.float32 or tuple(weights.shape) != (num_tokens, top_k) or weights.device != o.device:
+            raise ValueError(f"weights: expected float32 ({num_tokens}, {top_k}) on {o.device}, got "
+                             f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
+        weights = weights.contiguous()
+    o = o.contiguous()
+    rows, hidden = o.shape
+    y = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=o.device)
+    if num_tokens == 0 or hidden == 0:
+        return y
+    # A null pointer stands for "no weights"; the unweighted kernel never reads it.
+    weight_arg = weights if weights is not None else ctypes.c_uint64(0)
+    with jit.device_guard(o):
+        jit.build(*_COMBINE[weights is not None]).launch(
+            _grid(num_tokens, o.device), (_THREADS, 1, 1),
+            (o, slot_to_row, weight_arg, y, ctypes.c_int64(num_tokens), ctypes.c_int32(hidden),
+             ctypes.c_int32(top_k), ctypes.c_int32(rows)))
+    return y

@@ -1,0 +1,99 @@
+"""Routing metadata on the GPU (kernels/impls/moe_routing.cuh): bit-identical to compute_routing_torch."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import jit
+from ..routing import RoutingMeta, pool_rows
+
+_INCLUDE = "#include <impls/moe_routing.cuh>\n"
+_INDEX_CTYPES = {torch.int32: "int", torch.int64: "long long"}
+_THREADS = 256
+_WARPS = _THREADS // 32
+_SCAN_WARPS = 8
+# Slots per CTA: small enough to spread over the GPU, a multiple of 256 so each warp owns whole
+# 32-slot steps; grows past the minimum only to keep the per-chunk histogram table bounded.
+_MIN_CHUNK = 2048
+_MAX_CHUNKS = 1024
+MAX_EXPERTS = 4096
+
+
+def _histogram_code(index_type: str) -> str:
+    return _INCLUDE + (f"template __global__ void dge::moe_routing_histogram_kernel<{index_type}>"
+                       f"(const {index_type}*, int, int, int, int*);\n")
+
+
+def _scan_code() -> str:
+    return _INCLUDE + f"template __global__ void dge::moe_routing_scan_kernel<{_SCAN_WARPS}>(int*, int, int, int*);\n"
+
+
+def _scatter_code(index_type: str) -> str:
+    return _INCLUDE + (f"template __global__ void dge::moe_routing_scatter_kernel<{index_type}>"
+                       f"(const {index_type}*, int, int, int, int, int, const int*, const int*, int*, int*, int*, "
+                       f"int*);\n")
+
+
+# (name, code) of each launch, rendered once: the warm path hashes no new strings.
+_SCAN = ("moe_routing_scan", _scan_code())
+_HISTOGRAM = {dtype: (f"moe_routing_histogram_{str(dtype)[6:]}", _histogram_code(c))
+              for dtype, c in _INDEX_CTYPES.items()}
+_SCATTER = {dtype: (f"moe_routing_scatter_{str(dtype)[6:]}", _scatter_code(c)) for dtype, c in _INDEX_CTYPES.items()}
+
+
+@jit.register("moe_routing")
+def configs():
+    return [(name, code, False) for name, code in [_SCAN, *_HISTOGRAM.values(), *_SCATTER.values()]]
+
+
+def chunking(num_slots: int) -> tuple[int, int]:
+    """(slots per CTA, number of CTAs) of the histogram and scatter launches."""
+    chunk = max(_MIN_CHUNK, -(-num_slots // _MAX_CHUNKS))
+    chunk = -(-chunk // _THREADS) * _THREADS
+    return chunk, max(1, -(-num_slots // chunk))
+
+
+def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int) -> RoutingMeta:
+    """Counts, aligned starts/ends and both slot<->row maps of ``topk_idx [T, K]``; no host sync."""
+    if not isinstance(topk_idx, torch.Tensor) or not topk_idx.is_cuda:
+        raise ValueError(f"topk_idx: expected a CUDA tensor, got "
+                         f"{topk_idx.device if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected shape [T, K], got {tuple(topk_idx.shape)}")
+    if topk_idx.dtype not in _INDEX_CTYPES:
+        raise TypeError(f"topk_idx: dtype {topk_idx.dtype}, expected torch.int32 or torch.int64")
+    if not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts={num_experts!r}: expected an int in [1, {MAX_EXPERTS}]")
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"align={align!r}: expected a positive int")
+    num_tokens, top_k = topk_idx.shape
+    num_slots = num_tokens * top_k
+    num_rows = pool_rows(num_slots, num_experts, align)
+    if num_rows >= 2**31:
+        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} with {num_experts} experts, align {align}: "
+                         f"{num_rows} pool rows exceed the int32 row index")
+
+    device = topk_idx.device
+    ids = topk_idx.contiguous()
+    new = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
+    counts, starts, ends = new(num_experts), new(num_experts), new(num_experts)
+    slot_to_row, row_to_slot = new(num_slots), new(num_rows)
+    chunk, num_chunks = chunking(num_slots)
+    chunk_counts = new(num_experts * num_chunks)
+
+    i32 = ctypes.c_int32
+    with jit.device_guard(ids):
+        jit.build(*_HISTOGRAM[ids.dtype]).launch(
+            (num_chunks, 1, 1), (_THREADS, 1, 1),
+            (ids, i32(num_slots), i32(num_experts), i32(chunk), chunk_counts), smem=4 * num_experts)
+        jit.build(*_SCAN).launch(
+            (-(-num_experts // _SCAN_WARPS), 1, 1), (_SCAN_WARPS * 32, 1, 1),
+            (chunk_counts, i32(num_chunks), i32(num_experts), counts))
+        jit.build(*_SCATTER[ids.dtype]).launch(
+            (num_chunks, 1, 1), (_THREADS, 1, 1),
+            (ids, i32(num_slots), i32(num_experts), i32(align), i32(chunk), i32(num_rows), chunk_counts, counts,
+             starts, ends, slot_to_row, row_to_slot),
+            smem=4 * ((_WARPS + 1) * num_experts + _WARPS))
+    return RoutingMeta(counts=counts, starts=starts, ends=ends, slot_to_row=slot_to_row, row_to_slot=row_to_slot,
+                       num_experts=num_experts, top_k=top_k, align=align)

@@ -1,0 +1,95 @@
+#pragma once
+
+// Dispatch and combine on one GPU, by routing metadata:
+//   gather:  pool[r] = x[row_to_slot[r] / top_k], zeros for padding rows (row_to_slot < 0)
+//   combine: y[t]    = sum_{k = 0..K-1} w[t, k] * o[slot_to_row[t*K + k]], skipping unused slots
+// One warp per row, 16-byte vectors across the hidden dimension. The combine sums in k order
+// with explicit round-to-nearest mul/add (no FMA contraction): deterministic, and bit-equal to
+// the same loop in torch. Out-of-range indices read as empty rows, never out of bounds.
+#include <common/utils.cuh>
+
+namespace dge {
+
+constexpr int kGatherCombineThreads = 256;
+constexpr int kGatherCombineWarps = kGatherCombineThreads / kWarpSize;
+
+// Rows are copied as raw 16-byte vectors: one kernel per element size serves bf16 and fp8 pools.
+template <int kElemBytes>
+__global__ void __launch_bounds__(kGatherCombineThreads)
+gather_rows_kernel(const void* __restrict__ x, const int* __restrict__ row_to_slot, void* __restrict__ pool,
+                   i64 num_rows, int hidden, int top_k, int num_tokens) {
+    grid_dependency_wait();
+    const int vecs_per_row = hidden * kElemBytes / 16;
+    const i64 row_bytes = static_cast<i64>(hidden) * kElemBytes;
+    const i64 num_warps = static_cast<i64>(gridDim.x) * kGatherCombineWarps;
+    for (i64 row = static_cast<i64>(blockIdx.x) * kGatherCombineWarps + warp_id(); row < num_rows;
+         row += num_warps) {
+        const int slot = row_to_slot[row];
+        const int token = slot >= 0 ? slot / top_k : -1;
+        const uint4* src = token < num_tokens && token >= 0
+                               ? reinterpret_cast<const uint4*>(static_cast<const char*>(x) + token * row_bytes)
+                               : nullptr;
+        uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(pool) + row * row_bytes);
+#pragma unroll 4
+        for (int v = lane_id(); v < vecs_per_row; v += kWarpSize)
+            store_v4(dst + v, src != nullptr ? load_stream_v4(src + v) : make_uint4(0, 0, 0, 0));
+    }
+}
+
+// top_k <= 32: the token's rows and weights are staged in shared memory, read as broadcasts.
+// kWeighted = false: all weights are one (the multiply is exact, so it is simply skipped).
+template <bool kWeighted>
+__global__ void __launch_bounds__(kGatherCombineThreads)
+combine_rows_kernel(const __nv_bfloat16* __restrict__ o, const int* __restrict__ slot_to_row,
+                    const float* __restrict__ weights, __nv_bfloat16* __restrict__ y, i64 num_tokens, int hidden,
+                    int top_k, int num_pool_rows) {
+    __shared__ int smem_rows[kGatherCombineWarps][kWarpSize];
+    __shared__ float smem_weights[kGatherCombineWarps][kWarpSize];
+    grid_dependency_wait();
+    const int vecs_per_row = hidden / kBf16PerVec;
+    const int lane = lane_id();
+    int* rows_of_token = smem_rows[warp_id()];
+    float* weights_of_token = smem_weights[warp_id()];
+    const i64 num_warps = static_cast<i64>(gridDim.x) * kGatherCombineWarps;
+    for (i64 token = static_cast<i64>(blockIdx.x) * kGatherCombineWarps + warp_id(); token < num_tokens;
+         token += num_warps) {
+        if (lane < top_k) {
+            const int row = slot_to_row[token * top_k + lane];
+            rows_of_token[lane] = row < num_pool_rows ? row : -1;
+            weights_of_token[lane] = kWeighted ? weights[token * top_k + lane] : 1.0f;
+        }
+        __syncwarp();
+        for (int v = lane; v < vecs_per_row; v += kWarpSize) {
+            float acc[kBf16PerVec];
+#pragma unroll
+            for (int i = 0; i < kBf16PerVec; ++i)
+                acc[i] = 0.0f;
+            // Loads of four slots are issued before their (ordered) accumulation.
+            for (int k0 = 0; k0 < top_k; k0 += 4) {
+                uint4 values[4];
+                int rows[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    rows[j] = k0 + j < top_k ? rows_of_token[k0 + j] : -1;
+                    values[j] = rows[j] >= 0 ? load_stream_v4(o + static_cast<i64>(rows[j]) * hidden + v * kBf16PerVec)
+                                             : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (rows[j] < 0)
+                        continue;
+                    const float w = weights_of_token[k0 + j];
+                    float value[kBf16PerVec];
+                    unpack_bf16x8(values[j], value);
+#pragma unroll
+                    for (int i = 0; i < kBf16PerVec; ++i)
+                        acc[i] = __fadd_rn(acc[i], kWeighted ? __fmul_rn(w, value[i]) : value[i]);
+                }
+            }
+            store_v4(y + token * hidden + v * kBf16PerVec, pack_bf16x8(acc));
+        }
+        __syncwarp();
+    }
+}
+
+}  // namespace dge

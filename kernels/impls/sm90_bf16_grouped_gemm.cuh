@@ -1,0 +1,284 @@
+#pragma once
+// The one Hopper bf16 grouped GEMM core of the MoE kernels.
+//
+//   M-grouped (forward, dgrad):  C[r, :] = A[r, :] @ op(B[e])     for pool rows r of expert e
+//     A  [P, K] K-major pool;  B [E, N, K] K-major ("nt") or [E, K, N] MN-major ("nn").
+//   K-grouped (weight grads):    D[e] = A_e^T @ B_e, contracting over expert e's pool rows
+//     A  [P, M] and B [P, N], both MN-major; D [E, M, N].
+//
+// Persistent, warp-specialized: warpgroup 2 is the producer (one thread issues the TMA loads of a
+// kNumStages-deep smem ring), warpgroups 0 and 1 are consumers, each owning 64 rows of the
+// 128 x BLOCK_N tile, issuing wgmma m64nBLOCK_Nk16 with fp32 accumulators in registers. The
+// epilogue is a template hook that receives the accumulators with the tile's coordinates.
+//
+// kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
+// correct but measured 0.6x of kClusterN = 1 on H200 (cause not yet found), so launchers use 1.
+
+#include <cstdint>
+#include <cuda.h>
+
+#include <common/sm90_utils.cuh>
+#include <mma/sm90_desc.cuh>
+#include <mma/sm90_wgmma.cuh>
+#include <ptx/ld_st.cuh>
+#include <ptx/mbarrier.cuh>
+#include <ptx/sync.cuh>
+#include <ptx/tma.cuh>
+#include <ptx/wgmma.cuh>
+#include <scheduler/sm90_grouped.cuh>
+
+namespace dge::gemm {
+
+using mma::Major;
+using sched::GroupedGemmType;
+
+constexpr uint32_t BLOCK_M = 128;
+constexpr uint32_t BLOCK_K = 64;
+constexpr uint32_t kNumConsumerWarpgroups = 2;
+constexpr uint32_t kNumThreads = 128 * (kNumConsumerWarpgroups + 1);
+// setmaxnreg budgets: 128 * 40 + 256 * 232 fits the 64K-register file of one CTA per SM.
+constexpr uint32_t kProducerRegisters = 40;
+constexpr uint32_t kConsumerRegisters = 232;
+// Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads).
+constexpr uint32_t kEpilogueBarrierBase = 1;
+
+// Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N
+// tiling, chunks [0, BLOCK_N/128) are columns [n0, n0 + BLOCK_N/2) of the first half of N and the
+// remaining chunks the same columns of the second half, so a SwiGLU epilogue finds the gate and
+// up values of one output column in the same thread (accumulator i and i + kNumAccum/2).
+template <uint32_t BLOCK_N, bool kPairedN>
+struct TileColumns {
+    static constexpr uint32_t kNumChunks = BLOCK_N / 64;
+    uint32_t n0;
+    uint32_t half_n;
+
+    __device__ TileColumns(uint32_t n_block, uint32_t shape_n)
+        : n0(n_block * (kPairedN ? BLOCK_N / 2 : BLOCK_N)), half_n(shape_n / 2) {}
+
+    __device__ __forceinline__ uint32_t col(uint32_t chunk) const {
+        if constexpr (kPairedN)
+            return chunk < kNumChunks / 2 ? n0 + 64 * chunk : half_n + n0 + 64 * (chunk - kNumChunks / 2);
+        else
+            return n0 + 64 * chunk;
+    }
+};
+
+// What an epilogue learns about the 64 x BLOCK_N slice its warpgroup holds.
+template <uint32_t BLOCK_N, bool kPairedN>
+struct EpilogueTile {
+    TileColumns<BLOCK_N, kPairedN> cols;
+    uint32_t row;           // first output row of the warpgroup's 64 rows (pool row, or e * M + m)
+    uint32_t m_block;
+    uint32_t n_block;
+    uint32_t expert;
+};
+
+// Default epilogue: bf16 C through swizzled smem and TMA stores. Epilogue contract:
+//   static constexpr uint32_t kSmemBytes;                  smem for all consumer warpgroups
+//   Epilogue(uint32_t smem, uint32_t warpgroup, uint32_t thread_in_warpgroup);
+//   template <uint32_t kNumAccum, class Tile> void operator()(const float (&acc)[kNumAccum],
+//                                                            const Tile&, const EpiArgs&...);
+//   void finish();                                         before the CTA exits
+// The extra kernel arguments (EpiArgs...) are forwarded by reference, so CUtensorMap arguments
+// keep their parameter-space address.
+struct EpilogueStoreBF16 {
+    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * sm90::WarpgroupChunkStore::kSmemBytes;
+    sm90::WarpgroupChunkStore store;
+
+    __device__ EpilogueStoreBF16(uint32_t smem, uint32_t warpgroup, uint32_t thread)
+        : store(smem + warpgroup * sm90::WarpgroupChunkStore::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread) {}
+
+    template <uint32_t kNumAccum, class Tile>
+    __device__ __forceinline__ void operator()(const float (&acc)[kNumAccum], const Tile& tile,
+                                               const CUtensorMap& tma_c) {
+#pragma unroll
+        for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
+            uint32_t packed[16];
+#pragma unroll
+            for (uint32_t i = 0; i < 16; ++i)
+                packed[i] = ptx::pack_bf16x2(acc[chunk * 32 + 2 * i], acc[chunk * 32 + 2 * i + 1]);
+            store.store(packed, &tma_c, tile.cols.col(chunk), tile.row);
+        }
+    }
+
+    __device__ __forceinline__ void finish() { store.drain(); }
+};
+
+template <uint32_t BLOCK_N, uint32_t kNumStages, class Epilogue>
+struct SmemLayout {
+    static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;
+    static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;
+    static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+    static constexpr uint32_t kEpilogueOffset = kNumStages * kStageBytes;
+    static constexpr uint32_t kBarrierOffset = (kEpilogueOffset + Epilogue::kSmemBytes + 1023) / 1024 * 1024;
+    static constexpr uint32_t kBarrierBytes = 2 * kNumStages * 8;
+    // +1024: the dynamic smem base is aligned up to 1024 bytes at run time (128B swizzle atoms).
+    static constexpr uint32_t kTotalBytes = kBarrierOffset + kBarrierBytes + 1024;
+    static_assert(kTotalBytes <= 232448, "SmemLayout: tile, stages and epilogue exceed the 227 KiB of an SM90 CTA");
+};
+
+template <GroupedGemmType kType, Major kMajorA, Major kMajorB, uint32_t BLOCK_N, uint32_t kNumStages,
+          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, class Epilogue, class... EpiArgs>
+__global__ void __launch_bounds__(kNumThreads, 1)
+sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__ ends, uint32_t num_experts,
+                              uint32_t shape_m, uint32_t shape_n, uint32_t shape_k,
+                              const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+                              const __grid_constant__ EpiArgs... epi_args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(kType != GroupedGemmType::MGroupedContiguous || kMajorA == Major::K,
+                  "M-grouped GEMM: the pool A must be K-major");
+    static_assert(kType != GroupedGemmType::KGroupedContiguous || (kMajorA == Major::MN && kMajorB == Major::MN),
+                  "K-grouped GEMM: both operands are MN-major (rows of the pool are the contraction)");
+    static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
+    static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
+    static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
+
+    using MMA = mma::WgmmaBF16<BLOCK_N, kMajorA, kMajorB>;
+    using Layout = SmemLayout<BLOCK_N, kNumStages, Epilogue>;
+    using Pipeline = sm90::TmaPipeline<kNumStages, kNumConsumerWarpgroups * 4, kClusterN>;
+    using Scheduler = sched::GroupedScheduler<kType, BLOCK_M, BLOCK_K, kGroupM, kClusterN>;
+    constexpr uint32_t kNumBChunks = BLOCK_N / 64;
+
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    const uint32_t smem = (ptx::smem_addr(smem_raw) + 1023) / 1024 * 1024;
+    auto smem_a = [&](uint32_t stage) { return smem + stage * Layout::kABytes; };
+    auto smem_b = [&](uint32_t stage) { return smem + kNumStages * Layout::kABytes + stage * Layout::kBBytes; };
+    const Pipeline pipe(smem + Layout::kBarrierOffset);
+
+    const uint32_t warpgroup = threadIdx.x / 128;
+    const uint32_t thread_in_wg = threadIdx.x % 128;
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t cta_rank = kClusterN > 1 ? ptx::cluster_cta_rank() : 0;
+    const uint32_t unit_begin = kClusterN > 1 ? ptx::cluster_id_x() : blockIdx.x;
+    const uint32_t unit_stride = kClusterN > 1 ? ptx::num_clusters_x() : gridDim.x;
+    const uint32_t num_n_blocks = kPairedN ? shape_n / BLOCK_N : (shape_n + BLOCK_N - 1) / BLOCK_N;
+
+    if (threadIdx.x == 0)
+        pipe.init();
+    if constexpr (kClusterN > 1)
+        ptx::cluster_sync();
+    else
+        __syncthreads();
+    // Inputs may come from the previous kernel of the stream (programmatic dependent launch).
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    if (warpgroup == kNumConsumerWarpgroups) {
+        // Producer warpgroup: one thread issues every TMA load.
+        ptx::setmaxnreg_dec<kProducerRegisters>();
+        if (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && ptx::elect_one_sync()) {
+            ptx::prefetch_tensormap(&tma_a);
+            ptx::prefetch_tensormap(&tma_b);
+            Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
+                                cta_rank);
+            sm90::PipelineState<kNumStages> st;
+            sched::GroupedTile tile;
+            while (scheduler.next(tile)) {
+                const TileColumns<BLOCK_N, kPairedN> cols(tile.n_block, shape_n);
+                for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
+                    const uint32_t full = pipe.producer_acquire(st, Layout::kStageBytes);
+                    const uint32_t k0 = kb * BLOCK_K;
+                    // A: two 64-wide atoms (rows of the pool for K-major, columns of M for MN-major);
+                    // in a cluster each CTA loads one atom for both.
+                    auto load_a = [&](uint32_t atom, uint16_t mask) {
+                        int32_t col, row;
+                        if constexpr (kMajorA == Major::K) {
+                            col = static_cast<int32_t>(k0);
+                            row = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
+                        } else {
+                            col = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
+                            row = static_cast<int32_t>(tile.k_row + k0);
+                        }
+                        const uint32_t dst = smem_a(st.stage) + atom * mma::kAtomBytes;
+                        if constexpr (kClusterN > 1)
+                            ptx::tma_load_2d_multicast(dst, &tma_a, full, col, row, mask);
+                        else
+                            ptx::tma_load_2d(dst, &tma_a, full, col, row);
+                    };
+                    if constexpr (kClusterN > 1) {
+                        load_a(cta_rank, static_cast<uint16_t>((1u << kClusterN) - 1));
+                    } else {
+                        load_a(0, 0);
+                        load_a(1, 0);
+                    }
+#pragma unroll
+                    for (uint32_t j = 0; j < kNumBChunks; ++j) {
+                        int32_t col, row;
+                        if constexpr (kMajorB == Major::K) {
+                            col = static_cast<int32_t>(k0);
+                            row = static_cast<int32_t>(tile.expert * shape_n + cols.col(j));
+                        } else if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
+                            col = static_cast<int32_t>(cols.col(j));
+                            row = static_cast<int32_t>(tile.expert * shape_k + k0);
+                        } else {
+                            col = static_cast<int32_t>(cols.col(j));
+                            row = static_cast<int32_t>(tile.k_row + k0);
+                        }
+                        ptx::tma_load_2d(smem_b(st.stage) + j * mma::kAtomBytes, &tma_b, full, col, row);
+                    }
+                }
+            }
+        }
+    } else {
+        // Consumer warpgroups: wgmma on 64 rows each, then the epilogue hook.
+        ptx::setmaxnreg_inc<kConsumerRegisters>();
+        Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
+                            cta_rank);
+        Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
+        sm90::PipelineState<kNumStages> st;
+        sched::GroupedTile tile;
+        while (scheduler.next(tile)) {
+            // Zeroed rather than scale-d = 0 on the first wgmma: one definition of the accumulators
+            // per tile keeps them in place across the loop, and empty K ranges store zeros.
+            float acc[MMA::kNumAccum];
+#pragma unroll
+            for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                acc[i] = 0.0f;
+            uint32_t prev_stage = 0;
+            for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+                pipe.consumer_wait(st);
+#pragma unroll
+                for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                    ptx::fence_operand(acc[i]);
+                ptx::wgmma_fence();
+#pragma unroll
+                for (uint32_t k = 0; k < BLOCK_K / MMA::K; ++k) {
+                    const uint64_t desc_a = mma::tile_desc<kMajorA>(smem_a(st.stage), warpgroup * 64, k);
+                    const uint64_t desc_b = mma::tile_desc<kMajorB>(smem_b(st.stage), 0, k);
+                    MMA::mma(acc, desc_a, desc_b, 1u);
+                }
+                ptx::wgmma_commit_group();
+#pragma unroll
+                for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                    ptx::fence_operand(acc[i]);
+                // Keep this k-block's wgmmas in flight; the previous one is done, free its stage.
+                ptx::wgmma_wait_group<1>();
+                if (kb > 0)
+                    pipe.consumer_release(prev_stage, lane);
+                prev_stage = st.stage;
+                st.advance();
+            }
+            ptx::wgmma_wait_group<0>();
+#pragma unroll
+            for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                ptx::fence_operand(acc[i]);
+            if (tile.num_k_blocks > 0)
+                pipe.consumer_release(prev_stage, lane);
+
+            const uint32_t tile_row = kType == GroupedGemmType::MGroupedContiguous
+                                          ? tile.m_block * BLOCK_M
+                                          : tile.expert * shape_m + tile.m_block * BLOCK_M;
+            const EpilogueTile<BLOCK_N, kPairedN> epi_tile{TileColumns<BLOCK_N, kPairedN>(tile.n_block, shape_n),
+                                                           tile_row + warpgroup * 64, tile.m_block, tile.n_block,
+                                                           tile.expert};
+            epilogue(acc, epi_tile, epi_args...);
+        }
+        epilogue.finish();
+    }
+
+    // Peers multicast into this CTA's smem and arrive on its barriers until their last stage.
+    if constexpr (kClusterN > 1)
+        ptx::cluster_sync();
+#endif
+}
+
+}  // namespace dge::gemm

@@ -1,0 +1,104 @@
+"""Time the SM90 grouped GEMMs of one MoE layer against torch._grouped_mm, in one process.
+
+    python scripts/gemm_bench.py [--workload qwen3-30b-a3b-t16384] [--reps 20] [--json out.json]
+
+For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
+median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows the experts own, and
+the ratio to torch._grouped_mm on the same operands (offs = ends). Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+from deep_gemm_ext.routing import compute_routing_torch
+from deep_gemm_ext.testing import WORKLOADS, make_routing
+
+
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+
+
+def _pool(rows: int, cols: int, pad: torch.Tensor) -> torch.Tensor:
+    data = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+    data[pad] = 0
+    return data
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", default="qwen3-30b-a3b-t16384", choices=sorted(WORKLOADS))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    args = parser.parse_args()
+    w = WORKLOADS[args.workload]
+    torch.manual_seed(0)
+    idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
+    meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
+    starts, ends = meta.starts, meta.ends
+    rows = meta.num_pool_rows
+    used = int(ends[-1].item())
+    pad = meta.row_to_slot < 0
+    E, H, I = w.num_experts, w.hidden, w.intermediate
+    x, act = _pool(rows, H, pad), _pool(rows, I, pad)
+    dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
+    l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    offs = ends
+
+    # (name, flops, ours, torch._grouped_mm on the same operands)
+    cases = [
+        ("L1 fwd  nt", 2.0 * used * 2 * I * H, lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends),
+         lambda: torch._grouped_mm(x, l1.transpose(-2, -1), offs=offs)),
+        ("L2 fwd  nt", 2.0 * used * H * I, lambda: gg.m_grouped_bf16_gemm_nt_contiguous(act, l2, starts, ends),
+         lambda: torch._grouped_mm(act, l2.transpose(-2, -1), offs=offs)),
+        ("L1 fwd  nt paired", 2.0 * used * 2 * I * H,
+         lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends, paired_n=True), None),
+        ("L2 dgrad nn", 2.0 * used * H * I, lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, starts, ends),
+         lambda: torch._grouped_mm(dy, l2, offs=offs)),
+        ("L1 dgrad nn", 2.0 * used * 2 * I * H, lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dh, l1, starts, ends),
+         lambda: torch._grouped_mm(dh, l1, offs=offs)),
+        ("L1 wgrad tn", 2.0 * used * 2 * I * H, lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dh, x, starts, ends),
+         lambda: torch._grouped_mm(dh.t(), x, offs=offs)),
+        ("L2 wgrad tn", 2.0 * used * H * I, lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dy, act, starts, ends),
+         lambda: torch._grouped_mm(dy.t(), act, offs=offs)),
+    ]
+    results = []
+    for name, flops, ours, baseline in cases:
+        ms = _median_ms(ours, args.reps)
+        base_ms = None
+        if baseline is not None:
+            try:
+                base_ms = _median_ms(baseline, args.reps)
+            except (RuntimeError, TypeError) as exc:  # a layout torch's grouped GEMM does not take
+                print(f"{name}: torch._grouped_mm unavailable ({str(exc).splitlines()[0]})")
+        results.append({"gemm": name, "workload": w.name, "pool_rows": used, "us": ms * 1e3,
+                        "tflops": flops / ms / 1e9,
+                        "torch_us": base_ms * 1e3 if base_ms else None,
+                        "torch_tflops": flops / base_ms / 1e9 if base_ms else None})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"{w.name}: {used} pool rows owned by {E} experts, {torch.cuda.get_device_name()}")
+    print(f"{'gemm':<18} | {'us':>8} | {'TFLOP/s':>7} | {'torch us':>8} | {'torch TFLOP/s':>13} | x torch")
+    for r in results:
+        base = (f"{r['torch_us']:8.1f} | {r['torch_tflops']:13.1f} | {r['torch_us'] / r['us']:6.2f}x"
+                if r["torch_us"] else f"{'-':>8} | {'-':>13} | {'-':>7}")
+        print(f"{r['gemm']:<18} | {r['us']:8.1f} | {r['tflops']:7.1f} | {base}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

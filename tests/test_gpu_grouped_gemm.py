@@ -1,0 +1,169 @@
+"""SM90 bf16 grouped GEMM core (kernels/impls/sm90_bf16_grouped_gemm.cuh) against torch.
+
+CPU: argument checks, rendered configs (and their compile, where nvcc is installed).
+GPU (Hopper): every layout on routed pools (uniform, skewed, empty experts, one expert, no tokens)
+against an fp32 torch reference, with NaN-poisoned outputs.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+from deep_gemm_ext.routing import compute_routing_torch
+from deep_gemm_ext.testing import make_routing
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
+
+
+# -- CPU ----------------------------------------------------------------------------------------------------
+
+
+def test_rejects_wrong_dtype_and_device():
+    a = torch.zeros(128, 64, dtype=torch.bfloat16)
+    b = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    starts = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="a: dtype torch.float32"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(a.float(), b, starts, starts)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts)
+    with pytest.raises(ValueError, match="expected 3 dimensions"):
+        gg.m_grouped_bf16_gemm_nn_contiguous(a, b[0], starts, starts)
+    with pytest.raises(TypeError, match="b: dtype torch.float16"):
+        gg.k_grouped_bf16_gemm_tn_contiguous(a, a.half(), starts, starts)
+
+
+def test_configs_render_one_kernel_each():
+    configs = gg.configs()
+    names = [c[0] for c in configs]
+    assert len(names) == len(set(names))
+    for name, code, is_gemm, smem in configs:
+        assert is_gemm and code.count("sm90_bf16_grouped_gemm_kernel<") == 1, name
+        assert smem <= 232448, f"{name}: {smem} B exceeds an SM90 CTA's shared memory"
+
+
+def test_smem_matches_kernel_layout():
+    # SmemLayout<BLOCK_N, stages, EpilogueStoreBF16>::kTotalBytes as the harness prints it.
+    assert gg.GemmConfig("nt", 256).smem_bytes() == 230464
+    assert gg.GemmConfig("nt", 128).smem_bytes() == 230496
+
+
+def test_block_n_choice():
+    assert gg._pick_block_n(1536) == 256
+    assert gg._pick_block_n(384) == 128
+    assert gg._pick_block_n(768) == 256
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_configs_compile_without_spills():
+    from deep_gemm_ext import jit
+    for name, code, _, _ in gg.configs():
+        kernel = jit.build(name, code)
+        usage = kernel.resources()
+        assert usage and all(u.spill_bytes == 0 for u in usage), f"{name}: {usage}"
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------
+
+
+def _pool(num_tokens: int, num_experts: int, top_k: int, routing: str, cols: int, seed: int):
+    """A routed pool [P, cols] bf16: real rows random, padding rows zero; starts/ends int32."""
+    g = torch.Generator().manual_seed(seed)
+    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
+    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
+    rows = meta.num_pool_rows
+    data = torch.randn(rows, cols, generator=g).cuda().to(torch.bfloat16)
+    data[meta.row_to_slot < 0] = 0
+    return data, meta.starts, meta.ends
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _check_m_grouped(out, ref_fn, a, starts, ends):
+    ends_h, starts_h = ends.tolist(), starts.tolist()
+    used = ends_h[-1] if ends_h else 0
+    assert torch.isnan(out[used:].float()).all(), "rows past the last expert were written"
+    for e, (s, t) in enumerate(zip(starts_h, ends_h)):
+        if t > s:
+            ref = ref_fn(e, a[s:t].float())
+            got = out[s:t]
+            assert not torch.isnan(got.float()).any(), f"expert {e}: unwritten rows"
+            err = _rel_err(got, ref)
+            assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("n,k", [(1536, 2048), (1000, 1000), (384, 256)])
+def test_nt(routing, n, k):
+    a, starts, ends = _pool(777, 16, 4, routing, k, seed=n + k)
+    b = (torch.randn(16, n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, out)
+    _check_m_grouped(out, lambda e, ae: ae @ b[e].float().T, a, starts, ends)
+
+
+@needs_hopper
+def test_nt_paired_matches_plain():
+    a, starts, ends = _pool(2048, 8, 8, "uniform", 512, seed=3)
+    b = (torch.randn(8, 1536, 512, device="cuda") / 512 ** 0.5).to(torch.bfloat16)
+    plain = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends)
+    paired = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, paired_n=True)
+    used = ends[-1].item()
+    assert torch.equal(plain[:used], paired[:used])
+
+
+@needs_hopper
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts"])
+@pytest.mark.parametrize("n,k", [(768, 2048), (2048, 1536), (200, 128)])
+def test_nn(routing, n, k):
+    a, starts, ends = _pool(999, 12, 4, routing, k, seed=n * 3 + k)
+    b = (torch.randn(12, k, n, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gg.m_grouped_bf16_gemm_nn_contiguous(a, b, starts, ends, out)
+    _check_m_grouped(out, lambda e, ae: ae @ b[e].float(), a, starts, ends)
+
+
+@needs_hopper
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts"])
+@pytest.mark.parametrize("m,n", [(1536, 2048), (256, 384)])
+def test_tn(routing, m, n):
+    a, starts, ends = _pool(1500, 10, 4, routing, m, seed=m + n)
+    g = torch.Generator().manual_seed(m * n)
+    b = torch.randn(a.shape[0], n, generator=g).cuda().to(torch.bfloat16)
+    out = torch.full((10, m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, out)
+    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if t == s:
+            assert (out[e] == 0).all(), f"expert {e} without rows: expected zeros"
+        else:
+            err = _rel_err(out[e], a[s:t].float().T @ b[s:t].float())
+            assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
+
+
+@needs_hopper
+def test_no_tokens_writes_nothing():
+    a, starts, ends = _pool(0, 8, 4, "uniform", 256, seed=0)
+    b = torch.randn(8, 256, 256, device="cuda").to(torch.bfloat16)
+    out = torch.full((a.shape[0], 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all()
+
+
+@needs_hopper
+def test_shape_errors():
+    a = torch.zeros(256, 100, dtype=torch.bfloat16, device="cuda")
+    b = torch.zeros(2, 64, 100, dtype=torch.bfloat16, device="cuda")
+    se = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="K=100: expected a multiple of 8"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(a, b, se, se)
+    with pytest.raises(ValueError, match="expected 2 experts|contracts over"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(a[:, :64].contiguous(), b[:1, :, :64].contiguous(), se, se)
+    with pytest.raises(ValueError, match="M=100: expected a multiple of 128"):
+        gg.k_grouped_bf16_gemm_tn_contiguous(a, a, se, se)

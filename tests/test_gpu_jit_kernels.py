@@ -1,0 +1,321 @@
+"""JIT kernels on the GPU against torch: routing bit-identical, SwiGLU vs fp64 autograd,
+gather/combine exact; plus the launch path itself (args, TMA descriptors, CUDA graphs)."""
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from deep_gemm_ext import jit  # noqa: E402
+from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, routing_metadata, swiglu_backward,  # noqa: E402
+                                       swiglu_forward)
+from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
+from deep_gemm_ext.testing import make_routing  # noqa: E402
+
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt():
+    """Compile every config of these kernels in parallel once (the tests then hit the cache)."""
+    from deep_gemm_ext.jit_kernels import gather_combine, routing, swiglu
+    configs = routing.configs() + swiglu.configs() + gather_combine.configs()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda c: jit.build(c[0], c[1]), configs))
+
+
+def _poison_allocator(nbytes: int, fill) -> None:
+    """Leave a freed block full of ``fill`` in torch's cache: outputs the kernel forgets to write show it."""
+    block = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=DEVICE)
+    if isinstance(fill, float):
+        block.view(torch.float32).fill_(fill)
+    else:
+        block.fill_(fill)
+    del block
+
+
+# -- routing --------------------------------------------------------------------------------------------
+
+
+def _assert_routing_equal(topk_idx: torch.Tensor, num_experts: int, align: int) -> None:
+    ref = compute_routing_torch(topk_idx, num_experts, align)
+    _poison_allocator(4 * (topk_idx.numel() * 2 + num_experts * align + 64 * num_experts), -7)
+    got = routing_metadata(topk_idx, num_experts, align)
+    names = ("counts", "starts", "ends", "slot_to_row", "row_to_slot")
+    for name, a, b in zip(names, got.tensors(), ref.tensors()):
+        assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, name
+        mismatch = (a != b).nonzero()
+        assert mismatch.numel() == 0, f"{name}: {mismatch.shape[0]} entries differ, first at {mismatch[:4].tolist()}"
+    assert (got.num_experts, got.top_k, got.align) == (num_experts, topk_idx.shape[1], align)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "one_expert", "empty_experts", "unused_slots"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(4096, 128, 8), (1000, 16, 4), (130, 64, 6)])
+def test_routing_matches_torch(kind, dtype, num_tokens, num_experts, top_k):
+    gen = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
+    idx = make_routing(num_tokens, num_experts, top_k, kind, generator=gen).to(DEVICE, dtype)
+    _assert_routing_equal(idx, num_experts, 128)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 127, 129])
+@pytest.mark.parametrize("align", [1, 64, 128])
+def test_routing_small_and_odd(num_tokens, align):
+    idx = make_routing(num_tokens, 32, 4, "unused_slots").to(DEVICE)
+    _assert_routing_equal(idx, 32, align)
+
+
+def test_routing_treats_out_of_range_ids_as_unused():
+    idx = torch.randint(-3, 40, (777, 5), device=DEVICE)  # -3, -2 and 32..39 are invalid for E = 32
+    idx[0] = torch.tensor([2**40, -(2**40), 31, 0, -1])
+    _assert_routing_equal(idx, 32, 128)
+    _assert_routing_equal(idx.int(), 32, 128)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(16384, 128, 8), (37500, 512, 8), (16384, 256, 8)])
+def test_routing_large(num_tokens, num_experts, top_k):
+    idx = make_routing(num_tokens, num_experts, top_k, "zipf").to(DEVICE)
+    _assert_routing_equal(idx, num_experts, 128)
+
+
+def test_routing_is_graph_capturable():
+    idx = make_routing(2048, 64, 8, "uniform").to(DEVICE)
+    static = idx.clone()
+    routing_metadata(static, 64, 128)  # warm: compile + load outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta = routing_metadata(static, 64, 128)
+    fresh = make_routing(2048, 64, 8, "zipf").to(DEVICE)
+    static.copy_(fresh)
+    graph.replay()
+    ref = compute_routing_torch(fresh, 64, 128)
+    for a, b in zip(meta.tensors(), ref.tensors()):
+        assert torch.equal(a, b)
+
+
+# -- SwiGLU ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_reference(h, da, w, clamp):
+    """fp64 autograd of act = silu(min(g, c)) * clamp(u, -c, c): torch's own gradient conventions."""
+    c = math.inf if clamp is None else clamp
+    h64 = h.double().requires_grad_(True)
+    g, u = h64.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(g.clamp(max=c)) * u.clamp(-c, c)
+    if da is None:
+        return act.detach()
+    d = w.double()[:, None] * da.double()
+    (dh,) = torch.autograd.grad(act, h64, d)
+    dweight = (da.double() * act.detach()).sum(-1)
+    return act.detach(), dh, dweight, w.double()[:, None] * act.detach()
+
+
+def _random_h(rows, inter, clamp):
+    h = (torch.randn(rows, 2 * inter, device=DEVICE) * 3).bfloat16()
+    if clamp is not None and rows:
+        # Hit the clamp bounds exactly: the gradient passes at equality.
+        h[:, :4] = clamp
+        h[:, inter:inter + 2] = clamp
+        h[:, inter + 2:inter + 4] = -clamp
+    return h
+
+
+def _assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, label: str) -> None:
+    """Within ~1 bf16 rounding of the fp64 value (plus a floor for values near zero)."""
+    assert out.shape == ref.shape, f"{label}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    if out.numel() == 0:
+        return
+    assert not out.isnan().any(), f"{label}: NaN (unwritten output?)"
+    err = (out.double() - ref).abs()
+    bound = ref.abs() * 2.0**-7 + 1e-6 * max(ref.abs().max().item(), 1.0)
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{label}: max error {err.max().item():.3g} exceeds bf16 rounding"
+
+
+@pytest.mark.parametrize("clamp", [None, 3.0])
+@pytest.mark.parametrize("rows,inter", [(1000, 768), (3, 64), (257, 24), (0, 64)])
+def test_swiglu_forward(rows, inter, clamp):
+    h = _random_h(rows, inter, clamp)
+    _poison_allocator(rows * inter * 2, float("nan"))
+    act = swiglu_forward(h, clamp)
+    assert act.shape == (rows, inter) and act.dtype == torch.bfloat16
+    _assert_bf16_close(act, _swiglu_reference(h, None, None, clamp), "act")
+
+
+@pytest.mark.parametrize("clamp", [None, 3.0])
+@pytest.mark.parametrize("rows,inter", [(1000, 768), (5, 64), (130, 200), (0, 64)])
+def test_swiglu_backward(rows, inter, clamp):
+    h = _random_h(rows, inter, clamp)
+    da = torch.randn(rows, inter, device=DEVICE).bfloat16()
+    w = torch.rand(rows, device=DEVICE) + 0.1
+    _poison_allocator(rows * inter * 8, float("nan"))
+    dh, dweight, act_w = swiglu_backward(h, da, w, clamp)
+    ref_act, ref_dh, ref_dweight, ref_act_w = _swiglu_reference(h, da, w, clamp)
+    _assert_bf16_close(dh, ref_dh, "dh")
+    _assert_bf16_close(act_w, ref_act_w, "act_w")
+    assert dweight.dtype == torch.float32 and not dweight.isnan().any()
+    # fp32 accumulation of I products: error relative to the sum of magnitudes.
+    scale = (da.double().abs() * ref_act.abs()).sum(-1) + 1e-30
+    assert ((dweight.double() - ref_dweight).abs() / scale).max().item() < 1e-5 if rows else True
+    if clamp is not None and rows:
+        assert (dh[:, :4] != 0).any() and (dh[:, inter:inter + 4] != 0).any()  # equality passes the gradient
+    again = swiglu_backward(h, da, w, clamp)[1]
+    assert torch.equal(again, dweight)  # deterministic reduction
+
+
+# -- gather / combine -------------------------------------------------------------------------------------
+
+
+def _meta(num_tokens, num_experts, top_k, kind="unused_slots"):
+    return compute_routing_torch(make_routing(num_tokens, num_experts, top_k, kind).to(DEVICE), num_experts, 128)
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(1000, 2048), (130, 136), (1, 8), (0, 64)])
+def test_gather_rows_exact(num_tokens, hidden):
+    top_k = 4
+    meta = _meta(num_tokens, 16, top_k)
+    x = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
+    _poison_allocator(meta.num_pool_rows * hidden * 2, float("nan"))
+    pool = gather_rows(x, meta.row_to_slot, top_k)
+    valid = meta.row_to_slot >= 0
+    src = (meta.row_to_slot.long() // top_k).clamp(min=0)
+    ref = torch.where(valid[:, None], x[src] if num_tokens else torch.zeros_like(pool), torch.zeros_like(pool))
+    assert torch.equal(pool, ref)
+
+
+def test_gather_rows_fp8():
+    meta = _meta(300, 8, 2)
+    x = torch.randn(300, 256, device=DEVICE).to(torch.float8_e4m3fn)
+    pool = gather_rows(x, meta.row_to_slot, 2)
+    valid = meta.row_to_slot >= 0
+    ref = x.view(torch.uint8)[(meta.row_to_slot.long() // 2).clamp(min=0)] * valid[:, None]
+    assert torch.equal(pool.view(torch.uint8), ref)
+
+
+def _combine_reference(o, slot_to_row, weights, top_k):
+    """The same k-ordered fp32 loop in torch (separate mul and add, as the kernel does)."""
+    rows = slot_to_row.view(-1, top_k).long()
+    acc = torch.zeros(rows.shape[0], o.shape[1], dtype=torch.float32, device=o.device)
+    for k in range(top_k):
+        value = o[rows[:, k].clamp(min=0)].float()
+        if weights is not None:
+            value = weights[:, k:k + 1] * value
+        acc = torch.where((rows[:, k] >= 0)[:, None], acc + value, acc)
+    return acc.bfloat16()
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("num_tokens,hidden,top_k", [(1000, 2048, 8), (130, 136, 6), (3, 8, 1), (0, 64, 8)])
+def test_combine_rows_exact(num_tokens, hidden, top_k, weighted):
+    meta = _meta(num_tokens, 16, top_k)
+    o = torch.randn(meta.num_pool_rows, hidden, device=DEVICE).bfloat16()
+    o[meta.row_to_slot < 0] = float("nan")  # padding rows must never be read
+    weights = torch.rand(num_tokens, top_k, device=DEVICE) if weighted else None
+    _poison_allocator(num_tokens * hidden * 2, float("nan"))
+    y = combine_rows(o, meta.slot_to_row, weights, top_k)
+    assert torch.equal(y, _combine_reference(o, meta.slot_to_row, weights, top_k))
+
+
+# -- the launch path ------------------------------------------------------------------------------------
+
+
+def test_launch_rejects_untyped_and_host_arguments():
+    from deep_gemm_ext.jit_kernels import swiglu
+    kernel = jit.build(*swiglu._FORWARD[False])
+    h = torch.randn(2, 16, device=DEVICE).bfloat16()
+    act = torch.empty(2, 8, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="plain Python numbers"):
+        kernel.launch((1, 1, 1), (256, 1, 1), (h, act, 2, ctypes.c_int32(8), ctypes.c_float(1.0)))
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        kernel.launch((1, 1, 1), (256, 1, 1), (h.cpu(), act, ctypes.c_int64(2), ctypes.c_int32(8),
+                                               ctypes.c_float(1.0)))
+    kernel.launch((1, 1, 1), (256, 1, 1), (h, act, ctypes.c_int64(2), ctypes.c_int32(8), ctypes.c_float(math.inf)),
+                  stream=torch.cuda.current_stream(), pdl=True)
+    _assert_bf16_close(act, _swiglu_reference(h, None, None, None), "act")
+
+
+_TMA_PROBE = r"""#include <cuda.h>
+#include <common/utils.cuh>
+template <int kBoxRows, int kBoxCols>
+__global__ void tma_probe_kernel(const __grid_constant__ CUtensorMap tmap, __nv_bfloat16* out, int row0, int col0) {
+    __shared__ __align__(128) __nv_bfloat16 tile[kBoxRows * kBoxCols];
+    __shared__ __align__(8) unsigned long long barrier;
+    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&barrier));
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(bar), "r"(kBoxRows * kBoxCols * 2) : "memory");
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];"
+                     :: "r"(dst), "l"(&tmap), "r"(col0), "r"(row0), "r"(bar) : "memory");
+    }
+    asm volatile("{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n@!p bra WAIT_%=;\n}"
+                 :: "r"(bar) : "memory");
+    for (int i = threadIdx.x; i < kBoxRows * kBoxCols; i += blockDim.x)
+        out[i] = tile[i];
+}
+template __global__ void tma_probe_kernel<16, 64>(const __grid_constant__ CUtensorMap, __nv_bfloat16*, int, int);
+"""
+
+
+def test_tensor_map_by_value():
+    kernel = jit.build("tma_probe", _TMA_PROBE)
+    x = torch.randn(3, 40, 96, device=DEVICE).bfloat16()  # a 3-D tensor seen as [120, 96]
+    tmap = jit.make_tma_2d(x, 16, 64, swizzle=0)
+    assert (tmap.rows, tmap.cols) == (120, 96) and tmap.address % 64 == 0
+    flat = x.view(120, 96)
+    for row0, col0 in [(8, 32), (112, 0)]:  # the second box runs 8 rows past the end: zero filled
+        out = torch.full((16, 64), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        kernel.launch((1, 1, 1), (128, 1, 1), (tmap, out, ctypes.c_int32(row0), ctypes.c_int32(col0)))
+        ref = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+        valid = flat[row0:row0 + 16, col0:col0 + 64]
+        ref[:valid.shape[0]] = valid
+        assert torch.equal(out, ref)
+
+
+def test_warm_launch_host_overhead():
+    from deep_gemm_ext.jit_kernels import swiglu
+    kernel = jit.build(*swiglu._FORWARD[False])
+    h = torch.randn(1, 16, device=DEVICE).bfloat16()
+    act = torch.empty(1, 8, device=DEVICE, dtype=torch.bfloat16)
+    args = (h, act, ctypes.c_int64(1), ctypes.c_int32(8), ctypes.c_float(math.inf))
+    for _ in range(100):
+        kernel.launch((1, 1, 1), (256, 1, 1), args)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # keep the GPU busy: the launches below only queue (host time alone)
+    start = time.perf_counter()
+    for _ in range(500):
+        kernel.launch((1, 1, 1), (256, 1, 1), args)
+    per_launch_us = (time.perf_counter() - start) / 500 * 1e6
+    torch.cuda.synchronize()
+    print(f"\nwarm Kernel.launch host time: {per_launch_us:.2f} us")
+    assert per_launch_us < 20
+
+
+def test_nvrtc_build_runs(tmp_path, monkeypatch):
+    from deep_gemm_ext.jit import compiler
+    from deep_gemm_ext.jit_kernels import swiglu
+    monkeypatch.setenv("DGE_JIT_USE_NVRTC", "1")
+    monkeypatch.setenv("DGE_JIT_CACHE_DIR", str(tmp_path))
+    try:
+        compiler.select_compiler()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    name, code = swiglu._FORWARD[True]
+    kernel = jit.build(name + "_nvrtc", code)
+    assert (kernel.entry.path / "command.txt").read_text().startswith("nvrtc ")
+    h = _random_h(300, 64, 3.0)
+    act = torch.full((300, 64), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    kernel.launch((8, 1, 1), (256, 1, 1), (h, act, ctypes.c_int64(300), ctypes.c_int32(64), ctypes.c_float(3.0)))
+    _assert_bf16_close(act, _swiglu_reference(h, None, None, 3.0), "act (nvrtc)")
