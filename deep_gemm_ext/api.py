@@ -25,10 +25,5 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
                     activation_clamp=activation_clamp, backend=backend)
     clamp = None if activation_clamp is None else float(activation_clamp)
-    if backend == "deep_gemm":
-        from .backends import deepgemm
-
-        return deepgemm.mega_moe_train(x, topk_idx, topk_weights, l1_weights, l2_weights,
-                                       recipe=recipe, activation_clamp=clamp)
     return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights,
-                                                clamp, backend)[0]
+                                                clamp, backend, recipe)[0]

@@ -41,20 +41,36 @@ def _grouped_linear(a, b_kn, ends):
 
 
 def grouped_mm_moe(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp=None):
-    """torchtitan's MoE: stable sort by expert, groups padded to 8 rows, grouped GEMMs, fp32 score
-    multiply, scatter_add combine; index ops whose backwards are gathers/atomic adds, as there."""
+    """torchtitan's MoE (``score_before_experts=False``), op for op: histc + stable argsort, gather
+    the routed tokens, permute into 8-row-padded expert groups, separate gate / up / down grouped
+    GEMMs, unpermute with ``index_copy_``, fp32 score multiply, ``scatter_add`` combine; autograd
+    does the backward. Unused slots (id -1), which torchtitan has no notion of, sort last and get a
+    zero score and a zero row."""
     num_tokens, top_k = topk_idx.shape
-    hidden = x.shape[1]
-    meta = compute_routing_torch(topk_idx, l1_weights.shape[0], GROUPED_MM_ALIGN)
-    padded_x = torch.cat([x, x.new_zeros(1, hidden)])
-    src = torch.where(meta.row_to_slot >= 0, meta.row_to_slot // top_k, num_tokens).long()
-    x_sorted = padded_x.index_select(0, src)
-    h = _grouped_linear(x_sorted, l1_weights.transpose(1, 2), meta.ends)
-    o = _grouped_linear(swiglu(h, activation_clamp), l2_weights.transpose(1, 2), meta.ends)
-    # Unpermute: a zero row stands in for unused slots (rows past ends[-1] are never read).
-    o = torch.cat([o, o.new_zeros(1, hidden)])
-    rows = torch.where(meta.slot_to_row >= 0, meta.slot_to_row, o.shape[0] - 1).long()
+    num_experts, two_i, hidden = l1_weights.shape
+    inter = two_i // 2
+    flat = topk_idx.reshape(-1)
+    keys = torch.where(flat >= 0, flat, num_experts)
+    order = torch.argsort(keys, stable=True)
+    scores_sorted = torch.where(keys[order] < num_experts, topk_weights.reshape(-1)[order], 0)
+    token_sorted = (order // top_k)[:, None].expand(-1, hidden)
+    routed_input = torch.gather(x, 0, token_sorted)
+    # generate_permute_indices: pool row -> position in the sorted list (or a zero row).
+    meta = compute_routing_torch(topk_idx, num_experts, GROUPED_MM_ALIGN)
+    rank_of_slot = torch.empty_like(order)
+    rank_of_slot[order] = torch.arange(order.numel(), device=x.device)
+    permuted = torch.where(meta.row_to_slot >= 0, rank_of_slot[meta.row_to_slot.clamp(min=0).long()],
+                           order.numel())
+    padded = torch.cat([routed_input, routed_input.new_zeros(1, hidden)])
+    pool = torch.index_select(padded, 0, permuted)
+    w1, w3 = l1_weights[:, :inter], l1_weights[:, inter:]
+    gate = _grouped_linear(pool, w1.transpose(-2, -1), meta.ends)
+    up = _grouped_linear(pool, w3.transpose(-2, -1), meta.ends)
+    if activation_clamp is not None:
+        gate = torch.clamp(gate, max=activation_clamp)
+        up = torch.clamp(up, min=-activation_clamp, max=activation_clamp)
+    out = _grouped_linear(torch.nn.functional.silu(gate) * up, l2_weights.transpose(-2, -1), meta.ends)
+    unpermuted = out.new_zeros(order.numel() + 1, hidden).index_copy(0, permuted, out)[:-1]
     acc = torch.promote_types(x.dtype, torch.float32)
-    routed = (o.index_select(0, rows).to(acc) * topk_weights.reshape(-1, 1).to(acc)).to(x.dtype)
-    token = torch.arange(num_tokens * top_k, device=x.device) // top_k
-    return x.new_zeros(num_tokens, hidden).scatter_add(0, token[:, None].expand(-1, hidden), routed)
+    routed_output = (unpermuted.to(acc) * scores_sorted.reshape(-1, 1).to(acc)).to(x.dtype)
+    return torch.zeros_like(x).scatter_add(0, token_sorted, routed_output)

@@ -31,17 +31,18 @@ def mega_moe_fwd(
     l2_weights: torch.Tensor,
     activation_clamp: Optional[float],
     backend: str,
+    recipe: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     num_experts = l1_weights.shape[0]
     check_expert_ids(topk_idx, num_experts)
     y, x_pool, h, meta = unfused.moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights,
-                                             activation_clamp, _engine(x, l1_weights, backend))
+                                             activation_clamp, _engine(x, l1_weights, backend), recipe)
     return (y, x_pool, h, *meta.tensors())
 
 
 @mega_moe_fwd.register_fake
-def _(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backend):
+def _(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backend, recipe):
     num_tokens, hidden = x.shape
     top_k = topk_idx.shape[1]
     num_experts, two_i, _ = l1_weights.shape
@@ -76,36 +77,44 @@ def mega_moe_bwd(
     row_to_slot: torch.Tensor,
     activation_clamp: Optional[float],
     backend: str,
+    recipe: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     top_k = topk_weights.shape[1]
     engine = _engine(dy, l1_weights, backend)
     meta = RoutingMeta(counts, starts, ends, slot_to_row, row_to_slot, num_experts=l1_weights.shape[0],
                        top_k=top_k, align=unfused.ROUTING_ALIGN[engine])
     return unfused.moe_backward(dy.contiguous(), x_pool, h, meta, topk_weights, l1_weights, l2_weights,
-                                activation_clamp, engine)
+                                activation_clamp, engine, recipe)
 
 
 @mega_moe_bwd.register_fake
 def _(dy, x_pool, h, topk_weights, l1_weights, l2_weights, counts, starts, ends, slot_to_row,
-      row_to_slot, activation_clamp, backend):
+      row_to_slot, activation_clamp, backend, recipe):
     return (torch.empty_like(dy), torch.empty_like(topk_weights), torch.empty_like(l1_weights),
             torch.empty_like(l2_weights))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backend = inputs
+    x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backend, recipe = inputs
     _, x_pool, h, *meta = output
     ctx.mark_non_differentiable(x_pool, h, *meta)
+    # The saved pool, h and metadata get no gradient: do not let autograd fill zeros for them
+    # (two [P, H]-sized memsets per backward).
+    ctx.set_materialize_grads(False)
     ctx.activation_clamp = activation_clamp
     ctx.backend = backend
+    ctx.recipe = recipe
     ctx.save_for_backward(x_pool, h, topk_weights, l1_weights, l2_weights, *meta)
 
 
 def _backward(ctx, dy, *unused_grads):
+    if dy is None:
+        return (None,) * 8
     x_pool, h, topk_weights, l1_weights, l2_weights, *meta = ctx.saved_tensors
     dx, d_topk, d_l1, d_l2 = torch.ops.deep_gemm_ext.mega_moe_bwd(
-        dy, x_pool, h, topk_weights, l1_weights, l2_weights, *meta, ctx.activation_clamp, ctx.backend)
-    return dx, None, d_topk, d_l1, d_l2, None, None
+        dy, x_pool, h, topk_weights, l1_weights, l2_weights, *meta, ctx.activation_clamp, ctx.backend,
+        ctx.recipe)
+    return dx, None, d_topk, d_l1, d_l2, None, None, None
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -47,10 +47,13 @@ def sm90_gemm_supported(hidden: int, intermediate: int) -> bool:
 
 
 def gemm_engine(x: torch.Tensor, hidden: int, intermediate: int, backend: str = "auto") -> str:
-    """Who runs the grouped GEMMs: ``"sm90"`` (our JIT kernels), ``"grouped_mm"`` (torch) or
-    ``"loop"`` (a loop over experts in fp32/fp64: the CPU reference path)."""
+    """Who runs the grouped GEMMs: ``"sm90"`` (our JIT kernels), ``"grouped_mm"`` (torch),
+    ``"deep_gemm"`` (upstream DeepGEMM, see backends/deepgemm.py) or ``"loop"`` (a loop over
+    experts in fp32/fp64: the CPU reference path)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16):
         return "loop"
+    if backend == "deep_gemm":
+        return "deep_gemm"
     major, minor = torch.cuda.get_device_capability(x.device)
     if (backend == "auto" and (major, minor) == (9, 0) and sm90_gemm_supported(hidden, intermediate)
             and jit_kernels(x) is not None):
@@ -66,7 +69,7 @@ def compute_dtype(x: torch.Tensor, engine: str) -> torch.dtype:
 
 
 #: Rows per expert group: our kernels' M tile; torch._grouped_mm's 16-byte k-grouped starts.
-ROUTING_ALIGN = {"sm90": 128, "grouped_mm": 16, "loop": 1}
+ROUTING_ALIGN = {"sm90": 128, "grouped_mm": 16, "deep_gemm": 128, "loop": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +199,8 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta, engine: s
 # The layer.
 
 
-def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, engine):
+def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, engine,
+                recipe="bf16"):
     """Returns ``(y, x_pool, h, meta)``; ``x_pool``, ``h`` and ``meta`` are what backward needs."""
     num_experts = l1_weights.shape[0]
     top_k = topk_idx.shape[1]
@@ -207,15 +211,19 @@ def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
         h = x.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
         return x.new_zeros(x.shape), x_pool, h, meta
     x_pool = gather_rows(x.to(cdt), meta.row_to_slot, top_k)
-    h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine)
-    act = swiglu_forward(h, activation_clamp)
-    o = grouped_mm_nt(act, l2_weights.to(cdt), meta, engine)
+    if engine == "deep_gemm":
+        from .backends import deepgemm
+
+        o, h = deepgemm.deepgemm_forward(x_pool, meta, l1_weights, l2_weights, activation_clamp, recipe)
+    else:
+        h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine)
+        o = grouped_mm_nt(swiglu_forward(h, activation_clamp), l2_weights.to(cdt), meta, engine)
     y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
     return y, x_pool, h, meta
 
 
 def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_weights,
-                 activation_clamp, engine):
+                 activation_clamp, engine, recipe="bf16"):
     """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors."""
     top_k = meta.top_k
     cdt = x_pool.dtype
@@ -224,17 +232,25 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
         return (torch.zeros_like(dy), torch.zeros_like(topk_weights), torch.zeros_like(l1_weights),
                 torch.zeros_like(l2_weights))
     dy_pool = gather_rows(dy.to(cdt), meta.row_to_slot, top_k)
-    da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
     flat_w = topk_weights.reshape(-1)
     row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
-    dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
-    del da
+    if engine == "deep_gemm":
+        from .backends import deepgemm
+
+        dx_pool, d_row_weight, d_l1, d_l2 = deepgemm.deepgemm_backward(
+            dy_pool, x_pool, h, meta, row_weight, l1_weights, l2_weights, activation_clamp, recipe)
+        del dy_pool
+    else:
+        da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
+        dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
+        del da
+        d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
+        del dy_pool, act_w
+        dx_pool = grouped_mm_nn(dh, l1_weights.to(cdt), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
+        d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
+        del dh
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
     d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
-    d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
-    del dy_pool, act_w
-    dx_pool = grouped_mm_nn(dh, l1_weights.to(cdt), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
     dx = combine_rows(dx_pool, meta.slot_to_row, None, top_k, dy.dtype)
     del dx_pool
-    d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
     return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)

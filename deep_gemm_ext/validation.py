@@ -9,6 +9,8 @@ from . import _env
 
 RECIPES = ("bf16",)
 BACKENDS = ("auto", "torch", "deep_gemm")
+#: Recipes each backend runs; fp8 (1x128 activation / 128x128 weight scales) is upstream's today.
+BACKEND_RECIPES = {"auto": RECIPES, "torch": RECIPES, "deep_gemm": ("bf16", "fp8")}
 #: Row alignment torch._grouped_mm needs on SM90 (16-byte strides and TMA boxes of bf16 rows).
 _GPU_DIM_MULTIPLE = 8
 
@@ -69,10 +71,11 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     l1_weights = _tensor("l1_weights", l1_weights)
     l2_weights = _tensor("l2_weights", l2_weights)
 
-    if not isinstance(recipe, str) or recipe not in RECIPES:
-        raise ValueError(f"recipe={recipe!r} is not supported; expected one of {RECIPES}")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
+    recipes = BACKEND_RECIPES[backend]
+    if not isinstance(recipe, str) or recipe not in recipes:
+        raise ValueError(f"recipe={recipe!r} is not supported by backend={backend!r}; expected one of {recipes}")
     if activation_clamp is not None:
         if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
             raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
@@ -134,7 +137,18 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
                     ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
         _check_contiguous(name, t)
 
-    reason = unsupported_shape_reason(hidden, intermediate, recipe, device.type)
+    reason = unsupported_shape_reason(hidden, intermediate, "bf16", device.type)
+    if reason is None and backend == "deep_gemm":
+        from .backends import deepgemm
+
+        if device.type != "cuda":
+            reason = f"backend='deep_gemm' needs CUDA tensors, got x on {device}"
+        elif not deepgemm.is_available():
+            deepgemm.require()  # raises RuntimeError saying how to install DeepGEMM
+            reason = (f"backend='deep_gemm' needs an SM90 or SM100 GPU, got compute capability "
+                      f"{torch.cuda.get_device_capability(device)}")
+        else:
+            reason = deepgemm.unsupported_shape_reason(hidden, intermediate, recipe)
     if reason is not None:
         raise ValueError(reason)
     return MoEShape(num_tokens, hidden, top_k, num_experts, intermediate)

@@ -34,16 +34,18 @@ def _ours(backend="auto", recipe="bf16"):
 
 
 def implementations(with_loop: bool):
+    """(impl, backend, recipe) -> callable; impl "ours" is this package."""
     impls = {}
     if with_loop:
-        impls["loop"] = ("bf16", lambda x, idx, w, l1, l2: hf_loop_moe(x, idx, w, l1, l2))
-    impls["grouped_mm"] = ("bf16", lambda x, idx, w, l1, l2: grouped_mm_moe(x, idx, w, l1, l2))
-    impls["ours"] = ("bf16", _ours())
+        impls[("loop", "torch", "bf16")] = lambda x, idx, w, l1, l2: hf_loop_moe(x, idx, w, l1, l2)
+    impls[("grouped_mm", "torch", "bf16")] = lambda x, idx, w, l1, l2: grouped_mm_moe(x, idx, w, l1, l2)
+    impls[("ours", "auto", "bf16")] = _ours()
+    impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
         from deep_gemm_ext.backends import deepgemm
         if deepgemm.is_available():
             for recipe in deepgemm.RECIPES:
-                impls[f"deep_gemm:{recipe}"] = (recipe, _ours("deep_gemm", recipe))
+                impls[("ours", "deep_gemm", recipe)] = _ours("deep_gemm", recipe)
     except ImportError:
         pass
     return impls
@@ -99,14 +101,14 @@ def draw_png(records, path):
         print(f"matplotlib not found: no chart written to {path}")
         return
     workloads = list(dict.fromkeys(r["workload"] for r in records))
-    impls = list(dict.fromkeys(r["impl"] + ("" if r["impl"] != "ours" else f"({r['recipe']})") for r in records))
+    label = lambda r: f"{r['impl']} ({r['backend']}, {r['recipe']})" if r["impl"] != "grouped_mm" else r["impl"]  # noqa: E731
+    impls = list(dict.fromkeys(label(r) for r in records))
     fig, ax = plt.subplots(figsize=(2 + 2.2 * len(workloads), 4))
     width = 0.8 / max(1, len(impls))
     for j, impl in enumerate(impls):
         vals = []
         for wl in workloads:
-            match = [r for r in records if r["workload"] == wl and
-                     (r["impl"] + ("" if r["impl"] != "ours" else f"({r['recipe']})")) == impl]
+            match = [r for r in records if r["workload"] == wl and label(r) == impl]
             vals.append(match[0]["tflops"] if match else 0)
         ax.bar([i + j * width for i in range(len(workloads))], vals, width, label=impl)
     ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(workloads))])
@@ -139,23 +141,24 @@ def main():
         inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
                              device="cuda", seed=1234)
         rows = {}
-        for impl, (recipe, fn) in impls.items():
+        for (impl, backend, recipe), fn in impls.items():
             fwd, fwdbwd, peak = bench_one(fn, inputs, args.reps)
-            rows[impl] = dict(workload=wl_name, impl=impl.split(":")[0], recipe=recipe, fwd_ms=round(fwd, 4),
+            rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
+                              recipe=recipe, fwd_ms=round(fwd, 4),
                               fwdbwd_ms=round(fwdbwd, 4),
                               tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
                               peak_gib=round(peak, 3), gpu=gpu, commit=commit, date=date)
-        base = rows["grouped_mm"]["fwdbwd_ms"]
+        base = rows[("grouped_mm", "torch", "bf16")]["fwdbwd_ms"]
         for r in rows.values():
             r["ratio_vs_grouped_mm"] = round(base / r["fwdbwd_ms"], 3)
             records.append(r)
         del inputs
         torch.cuda.empty_cache()
 
-    print("| workload | impl | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
-        print(f"| {r['workload']} | {r['impl']} | {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
+        print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
               f"{r['tflops']:.0f} | {r['ratio_vs_grouped_mm']:.2f}x | {r['peak_gib']:.2f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/dge_gpu_check}}
 [ $# -gt 0 ] && shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 DGE_JIT_CACHE_DIR=${DGE_JIT_CACHE_DIR:-$out/jit_cache}
+export PYTHONUNBUFFERED=1 DGE_JIT_CACHE_DIR=${DGE_JIT_CACHE_DIR:-/tmp/dge_jit_cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
 python3 -m pytest -q -rs tests 2>&1 | tee "$out/tests.log" | tail -5
