@@ -63,6 +63,11 @@ def use_jit_kernels() -> bool:
     return not _flag("DGE_DISABLE_JIT")
 
 
+def fused_epilogues() -> bool:
+    """DGE_FUSED_EPILOGUES: SwiGLU forward/backward fused into the SM90 GEMM epilogues (default 1)."""
+    return os.environ.get("DGE_FUSED_EPILOGUES", "1") != "0"
+
+
 def check_ids() -> bool:
     """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
     return os.environ.get("DGE_CHECK_IDS", "1") != "0"

@@ -68,6 +68,12 @@ def compute_dtype(x: torch.Tensor, engine: str) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def fused_swiglu(engine: str, intermediate: int, t: torch.Tensor) -> bool:
+    """SwiGLU forward / backward run in the epilogues of the L1 forward / L2 dgrad GEMMs."""
+    return (engine == "sm90" and _env.fused_epilogues()
+            and jit_kernels(t).swiglu_epilogue_supported(intermediate))
+
+
 #: Rows per expert group: our kernels' M tile; torch._grouped_mm's 16-byte k-grouped starts.
 ROUTING_ALIGN = {"sm90": 128, "grouped_mm": 16, "deep_gemm": 128, "loop": 1}
 
@@ -215,6 +221,10 @@ def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
         from .backends import deepgemm
 
         o, h = deepgemm.deepgemm_forward(x_pool, meta, l1_weights, l2_weights, activation_clamp, recipe)
+    elif fused_swiglu(engine, l2_weights.shape[2], x_pool):
+        h, act = jit_kernels(x_pool).m_grouped_bf16_gemm_nt_swiglu(x_pool, l1_weights, meta.starts, meta.ends,
+                                                                  activation_clamp)
+        o = grouped_mm_nt(act, l2_weights, meta, engine)
     else:
         h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine)
         o = grouped_mm_nt(swiglu_forward(h, activation_clamp), l2_weights.to(cdt), meta, engine)
@@ -241,9 +251,14 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
             dy_pool, x_pool, h, meta, row_weight, l1_weights, l2_weights, activation_clamp, recipe)
         del dy_pool
     else:
-        da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
-        dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
-        del da
+        if fused_swiglu(engine, l2_weights.shape[2], h):
+            # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, act_w, <da', act>.
+            dh, d_row_weight, act_w = jit_kernels(h).m_grouped_bf16_gemm_nn_swiglu_bwd(
+                dy_pool, l2_weights, h, row_weight, meta.starts, meta.ends, activation_clamp)
+        else:
+            da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
+            dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
+            del da
         d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
         del dy_pool, act_w
         dx_pool = grouped_mm_nn(dh, l1_weights.to(cdt), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]

@@ -27,9 +27,18 @@ from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe  # noqa: E402
 from deep_gemm_ext.testing import WORKLOADS, make_inputs  # noqa: E402
 
 
-def _ours(backend="auto", recipe="bf16"):
+def _ours(backend="auto", recipe="bf16", env=None):
     def run(x, idx, w, l1, l2):
-        return dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe, backend=backend)
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            return dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe, backend=backend)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
     return run
 
 
@@ -40,6 +49,8 @@ def implementations(with_loop: bool):
         impls[("loop", "torch", "bf16")] = lambda x, idx, w, l1, l2: hf_loop_moe(x, idx, w, l1, l2)
     impls[("grouped_mm", "torch", "bf16")] = lambda x, idx, w, l1, l2: grouped_mm_moe(x, idx, w, l1, l2)
     impls[("ours", "auto", "bf16")] = _ours()
+    # The same kernels with SwiGLU as separate elementwise kernels instead of GEMM epilogues.
+    impls[("ours", "auto-unfused-swiglu", "bf16")] = _ours(env={"DGE_FUSED_EPILOGUES": "0"})
     impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
         from deep_gemm_ext.backends import deepgemm

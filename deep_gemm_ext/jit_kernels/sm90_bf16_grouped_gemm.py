@@ -7,6 +7,11 @@ the operand's natural layout (A [M, K], B [K, N]) and ``t`` for its transpose (A
     m_grouped_bf16_gemm_nn_contiguous(a [P, K], b [E, K, N])   out[r] = a[r] @ b[e]     dgrad
     k_grouped_bf16_gemm_tn_contiguous(a [P, M], b [P, N])      out[e] = a_e.T @ b_e     wgrad
 
+With the SwiGLU of the layer fused into the epilogue (kernels/impls/sm90_bf16_grouped_gemm_swiglu.cuh):
+
+    m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, ...)             -> h, act                L1 forward
+    m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool, l2, h, w, ...)  -> dh, d_row_weight, act_w   L2 dgrad
+
 Expert ``e`` owns pool rows ``[starts[e], ends[e])``; both are multiples of ``GROUP_ALIGNMENT`` (the
 routing of ``deep_gemm_ext.routing`` produces such pools) and padding rows of the pool are zero.
 M-grouped GEMMs leave output rows that no expert owns unwritten; the K-grouped GEMM writes zeros
@@ -21,6 +26,7 @@ import torch
 
 from .. import jit
 from ..routing import TOKEN_GROUP_ALIGNMENT
+from .swiglu import _check_clamp
 
 #: Rows per expert block the kernel assumes (its BLOCK_M): starts/ends must be multiples of it.
 GROUP_ALIGNMENT = TOKEN_GROUP_ALIGNMENT
@@ -38,11 +44,24 @@ _TYPES = {"nt": ("MGroupedContiguous", "K", "K"), "nn": ("MGroupedContiguous", "
 _STAGES = {256: 4, 128: 6}
 
 
+#: Epilogues of the core: (C++ class, header, extra kernel argument types after the two operand maps).
+_EPILOGUES = {
+    "store": ("dge::gemm::EpilogueStoreBF16", "sm90_bf16_grouped_gemm.cuh", ("CUtensorMap",)),
+    "swiglu_fwd": ("dge::gemm::EpilogueSwigluForward<{clamp}>", "sm90_bf16_grouped_gemm_swiglu.cuh",
+                   ("CUtensorMap", "CUtensorMap", "float")),
+    "swiglu_bwd": ("dge::gemm::EpilogueSwigluBackward<{clamp}>", "sm90_bf16_grouped_gemm_swiglu.cuh",
+                   ("CUtensorMap", "CUtensorMap", "const __nv_bfloat16*", "const float*", "float*", "float",
+                    "uint32_t")),
+}
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     layout: str         # "nt", "nn" or "tn"
     block_n: int
     paired_n: bool = False
+    epilogue: str = "store"
+    clamp: bool = False  # SwiGLU epilogues: compile the activation clamp in
 
     @property
     def stages(self) -> int:
@@ -50,10 +69,16 @@ class GemmConfig:
 
     @property
     def name(self) -> str:
-        return f"sm90_bf16_grouped_gemm_{self.layout}_n{self.block_n}_s{self.stages}" + ("_paired" if self.paired_n else "")
+        name = f"sm90_bf16_grouped_gemm_{self.layout}_n{self.block_n}_s{self.stages}"
+        if self.paired_n:
+            name += "_paired"
+        if self.epilogue != "store":
+            name += f"_{self.epilogue}" + ("_clamp" if self.clamp else "")
+        return name
 
     def smem_bytes(self) -> int:
-        """Dynamic smem of the launch: SmemLayout<BLOCK_N, kNumStages, EpilogueStoreBF16>::kTotalBytes."""
+        """Dynamic smem of the launch: SmemLayout<BLOCK_N, kNumStages, Epilogue>::kTotalBytes (every
+        epilogue stages its output through two 64x64 bf16 buffers per consumer warpgroup)."""
         stage = _BLOCK_M * _BLOCK_K * 2 + self.block_n * _BLOCK_K * 2
         epilogue = 2 * 2 * 64 * 64 * 2  # two warpgroups x two 64x64 bf16 staging buffers
         barriers = -(-(self.stages * stage + epilogue) // 1024) * 1024
@@ -61,21 +86,39 @@ class GemmConfig:
 
     def code(self) -> str:
         gemm_type, major_a, major_b = _TYPES[self.layout]
-        return ("#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
+        epilogue, header, epi_args = _EPILOGUES[self.epilogue]
+        epilogue = epilogue.format(clamp="true" if self.clamp else "false")
+        return (f"#include <impls/{header}>\n"
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_bf16_grouped_gemm_kernel<\n"
                 f"    dge::sched::GroupedGemmType::{gemm_type}, dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
                 f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M},\n"
-                "    dge::gemm::EpilogueStoreBF16, CUtensorMap>);\n")
+                f"    {epilogue}, {', '.join(epi_args)}>);\n")
 
 
 def _all_configs() -> list[GemmConfig]:
     configs = [GemmConfig(layout, block_n) for layout in ("nt", "nn", "tn") for block_n in (256, 128)]
-    return configs + [GemmConfig("nt", 256, paired_n=True)]
+    configs.append(GemmConfig("nt", 256, paired_n=True))
+    for clamp in (False, True):
+        configs.append(GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp))
+        configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp) for block_n in (256, 128)]
+    return configs
 
 
 @jit.register("sm90_bf16_grouped_gemm")
 def configs():
     return [(c.name, c.code(), True, c.smem_bytes()) for c in _all_configs()]
+
+
+_ROW_WEIGHT_GRAD_THREADS = 256
+_ROW_WEIGHT_GRAD = ("sm90_swiglu_row_weight_grad",
+                    ("#include <impls/sm90_bf16_grouped_gemm_swiglu.cuh>\n"
+                     "static void* __instantiate = reinterpret_cast<void*>(\n"
+                     f"    &dge::gemm::swiglu_row_weight_grad_kernel<{_ROW_WEIGHT_GRAD_THREADS}>);\n"))
+
+
+@jit.register("sm90_swiglu_row_weight_grad")
+def row_weight_grad_configs():
+    return [(*_ROW_WEIGHT_GRAD, False)]
 
 
 def _pick_block_n(n: int) -> int:
@@ -97,19 +140,25 @@ def _check_tensor(label: str, tensor, dim: int, dtype: torch.dtype) -> None:
         raise ValueError(f"{label}: strides {tuple(tensor.stride())}, expected a contiguous tensor")
 
 
-def _check_inputs(a, b, b_dim: int, starts, ends) -> int:
-    """dtype/shape checks first, then devices: all on one CUDA device. Returns E."""
-    _check_tensor("a", a, 2, torch.bfloat16)
-    _check_tensor("b", b, b_dim, torch.bfloat16)
+def _check_inputs(a, b, b_dim: int, starts, ends, *, names: tuple[str, str] = ("a", "b"),
+                  extra: tuple = ()) -> int:
+    """dtype/shape checks first, then devices: all on one CUDA device. Returns E.
+
+    ``names``: how the messages call a and b; ``extra``: more (label, tensor, dim, dtype) operands."""
+    a_name, b_name = names
+    _check_tensor(a_name, a, 2, torch.bfloat16)
+    _check_tensor(b_name, b, b_dim, torch.bfloat16)
+    for label, tensor, dim, dtype in extra:
+        _check_tensor(label, tensor, dim, dtype)
     _check_tensor("starts", starts, 1, torch.int32)
     _check_tensor("ends", ends, 1, torch.int32)
     if starts.shape != ends.shape:
         raise ValueError(f"starts {tuple(starts.shape)} and ends {tuple(ends.shape)}: expected the same shape [E]")
     if not a.is_cuda:
-        raise ValueError(f"a: on {a.device}, expected a CUDA tensor")
-    for label, t in (("b", b), ("starts", starts), ("ends", ends)):
+        raise ValueError(f"{a_name}: on {a.device}, expected a CUDA tensor")
+    for label, t in ((b_name, b), *((label, t) for label, t, _, _ in extra), ("starts", starts), ("ends", ends)):
         if t.device != a.device:
-            raise ValueError(f"{label}: on {t.device}, expected {a.device} like a")
+            raise ValueError(f"{label}: on {t.device}, expected {a.device} like {a_name}")
     return starts.shape[0]
 
 
@@ -118,28 +167,30 @@ def _check_multiple(label: str, value: int, multiple: int, why: str) -> None:
         raise ValueError(f"{label}={value}: expected a multiple of {multiple} ({why})")
 
 
-def _check_out(out, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str = "out",
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if out is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=device)
-    _check_tensor("out", out, len(shape), torch.bfloat16)
+        return torch.empty(shape, dtype=dtype, device=device)
+    _check_tensor(label, out, len(shape), dtype)
     if tuple(out.shape) != shape:
-        raise ValueError(f"out: shape {tuple(out.shape)}, expected {shape}")
+        raise ValueError(f"{label}: shape {tuple(out.shape)}, expected {shape}")
     if out.device != device:
-        raise ValueError(f"out: on {out.device}, expected {device} like a")
+        raise ValueError(f"{label}: on {out.device}, expected {device} like the inputs")
     return out
 
 
 # -- launch -----------------------------------------------------------------------------------------------
 
 
-def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, out_map: jit.TensorMap, starts, ends,
+def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: tuple, starts, ends,
             shape_m: int, shape_n: int, shape_k: int, max_tiles: int) -> None:
+    """``epi_args``: the epilogue's kernel arguments (for the store epilogue, the output's tensor map)."""
     kernel = jit.build(config.name, config.code())
     a_map = jit.make_tma_2d(a, 64, 64)
     grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
     kernel.launch(grid, (_THREADS, 1, 1),
                   (starts, ends, ctypes.c_uint32(starts.shape[0]), ctypes.c_uint32(shape_m),
-                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), a_map, b_map, out_map),
+                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), a_map, b_map, *epi_args),
                   smem=config.smem_bytes())
 
 
@@ -171,7 +222,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool) -> torch.Te
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
         num_n_blocks = n // block_n if paired_n else -(-n // block_n)
-        _launch(config, a, b_map, jit.make_tma_2d(out, 64, 64), starts, ends, rows, n, k,
+        _launch(config, a, b_map, (jit.make_tma_2d(out, 64, 64),), starts, ends, rows, n, k,
                 -(-rows // _BLOCK_M) * num_n_blocks)
     return out
 
@@ -219,6 +270,128 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     block_n = _pick_block_n(n)
     config = GemmConfig("tn", block_n)
     with jit.device_guard(a):
-        _launch(config, a, jit.make_tma_2d(b, 64, 64), jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n),
+        _launch(config, a, jit.make_tma_2d(b, 64, 64), (jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n),),
                 starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n))
     return out
+
+
+# -- SwiGLU epilogues -------------------------------------------------------------------------------------
+
+#: The paired-N tile of the forward epilogue is 256 wide (128 gate + 128 up columns); the backward
+#: epilogue's tiles (256, else 128 wide) must not straddle I either.
+SWIGLU_INTERMEDIATE_ALIGNMENT = 128
+
+
+def swiglu_epilogue_supported(intermediate: int) -> bool:
+    """Whether both SwiGLU epilogues take this I (the L1 output is [g | u] with 2I columns)."""
+    return intermediate > 0 and intermediate % SWIGLU_INTERMEDIATE_ALIGNMENT == 0
+
+
+def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                                  clamp: float | None = None, *, h_out: torch.Tensor | None = None,
+                                  act_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """L1 forward with the SwiGLU in the epilogue: ``(h [P, 2I], act [P, I])``, both bf16.
+
+    x_pool [P, H] bf16, l1 [E, 2I, H] bf16 (rows [0, I) gate, [I, 2I) up), I a multiple of 128.
+    ``h[r] = bf16(x_pool[r] @ l1[e].T)`` (bit-identical to ``m_grouped_bf16_gemm_nt_contiguous(...,
+    paired_n=True)``: same tiles, same fp32 accumulation, round to nearest even);
+    ``act = bf16(silu(min(g, c)) * clamp(u, -c, c))`` in fp32 from the bf16-rounded g, u of h, with
+    swiglu_forward's expression (so it equals ``swiglu_forward(h, clamp)`` of the JIT kernels bit for
+    bit). Rows no expert owns are left unwritten.
+    """
+    num_experts = _check_inputs(x_pool, l1, 3, starts, ends, names=("x_pool", "l1"))
+    c = _check_clamp(clamp)
+    rows, hidden = x_pool.shape
+    experts_b, two_inter, hidden_b = l1.shape
+    if experts_b != num_experts:
+        raise ValueError(f"l1: {experts_b} experts (shape {tuple(l1.shape)}), expected {num_experts} like starts/ends")
+    if hidden_b != hidden:
+        raise ValueError(f"l1: shape {tuple(l1.shape)} contracts over {hidden_b}, expected H={hidden} of x_pool "
+                         f"{tuple(x_pool.shape)}")
+    inter = two_inter // 2
+    if two_inter % 2 or not swiglu_epilogue_supported(inter):
+        raise ValueError(f"l1: shape {tuple(l1.shape)}: 2I={two_inter}, expected a positive multiple of "
+                         f"{2 * SWIGLU_INTERMEDIATE_ALIGNMENT} (a paired tile holds 128 gate and 128 up columns)")
+    _check_multiple("H", hidden, 8, "16-byte rows for TMA")
+    h = _check_out(h_out, (rows, two_inter), x_pool.device, label="h_out")
+    act = _check_out(act_out, (rows, inter), x_pool.device, label="act_out")
+    if rows == 0 or num_experts == 0:
+        return h, act
+    if hidden == 0:
+        raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
+    config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None)
+    with jit.device_guard(x_pool):
+        b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
+        epi_args = (jit.make_tma_2d(h, 64, 64), jit.make_tma_2d(act, 64, 64), ctypes.c_float(c))
+        _launch(config, x_pool, b_map, epi_args, starts, ends, rows, two_inter, hidden,
+                -(-rows // _BLOCK_M) * (two_inter // config.block_n))
+    return h, act
+
+
+def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h: torch.Tensor,
+                                      row_weight: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                                      clamp: float | None = None, *, block_n: int | None = None,
+                                      dh_out: torch.Tensor | None = None, act_w_out: torch.Tensor | None = None,
+                                      d_row_weight_out: torch.Tensor | None = None,
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """L2 dgrad with the SwiGLU backward in the epilogue: ``(dh [P, 2I] bf16, d_row_weight [P] fp32,
+    act_w [P, I] bf16)``.
+
+    dy_pool [P, H] bf16 (H a multiple of 64), l2 [E, H, I] bf16, h [P, 2I] bf16 (the L1 output [g | u]),
+    row_weight [P] fp32 (the top-k weight of each pool row, 0 on padding rows). Per pool row r of
+    expert e, with ``da' = dy_pool[r] @ l2[e]`` kept in fp32 (never rounded to bf16) and act
+    recomputed in fp32 from h exactly as swiglu_backward does:
+    ``dh = bf16(SwiGLU backward of w * da')`` (clamp masks as in unfused.swiglu_backward),
+    ``act_w = bf16(w * act)``, ``d_row_weight = <da', act>`` summed in fp32 in a fixed order
+    (deterministic: per-tile partials, then the tiles in column order). dh and act_w rows no expert
+    owns are left unwritten; their d_row_weight is 0. ``block_n`` (128 or 256, default 256 where I
+    allows) is the GEMM's N tile.
+    """
+    num_experts = _check_inputs(dy_pool, l2, 3, starts, ends, names=("dy_pool", "l2"),
+                                extra=(("h", h, 2, torch.bfloat16), ("row_weight", row_weight, 1, torch.float32)))
+    c = _check_clamp(clamp)
+    rows, hidden = dy_pool.shape
+    experts_b, hidden_b, inter = l2.shape
+    if experts_b != num_experts:
+        raise ValueError(f"l2: {experts_b} experts (shape {tuple(l2.shape)}), expected {num_experts} like starts/ends")
+    if hidden_b != hidden:
+        raise ValueError(f"l2: shape {tuple(l2.shape)} contracts over {hidden_b}, expected H={hidden} of dy_pool "
+                         f"{tuple(dy_pool.shape)}")
+    if tuple(h.shape) != (rows, 2 * inter):
+        raise ValueError(f"h: shape {tuple(h.shape)}, expected ({rows}, {2 * inter}) for {rows} pool rows and "
+                         f"I={inter}")
+    if tuple(row_weight.shape) != (rows,):
+        raise ValueError(f"row_weight: shape {tuple(row_weight.shape)}, expected ({rows},)")
+    if not swiglu_epilogue_supported(inter):
+        raise ValueError(f"l2: shape {tuple(l2.shape)}: I={inter}, expected a positive multiple of "
+                         f"{SWIGLU_INTERMEDIATE_ALIGNMENT} (N tiles of 128 or 256 columns must not straddle I)")
+    _check_multiple("H", hidden, _BLOCK_K, "an [E, H, I] weight is read in K blocks that must not cross experts")
+    if block_n is None:
+        block_n = 256 if inter % 256 == 0 else 128
+    elif block_n not in (128, 256) or inter % block_n:
+        raise ValueError(f"block_n={block_n!r}: expected 128 or 256 dividing I={inter}")
+    device = dy_pool.device
+    dh = _check_out(dh_out, (rows, 2 * inter), device, label="dh_out")
+    act_w = _check_out(act_w_out, (rows, inter), device, label="act_w_out")
+    d_row_weight = _check_out(d_row_weight_out, (rows,), device, label="d_row_weight_out", dtype=torch.float32)
+    if rows == 0:
+        return dh, d_row_weight, act_w
+    if num_experts == 0:
+        return dh, d_row_weight.zero_(), act_w
+    if hidden == 0:
+        raise ValueError(f"dy_pool: shape {tuple(dy_pool.shape)}: H=0, expected a non-empty contraction")
+    num_parts = inter // block_n
+    partials = torch.empty(rows, num_parts, dtype=torch.float32, device=device)
+    config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None)
+    with jit.device_guard(dy_pool):
+        b_map = jit.make_tma_2d(l2, 64, 64, rows=num_experts * hidden, cols=inter)
+        epi_args = (jit.make_tma_2d(dh, 64, 64), jit.make_tma_2d(act_w, 64, 64), h, row_weight, partials,
+                    ctypes.c_float(c), ctypes.c_uint32(inter))
+        _launch(config, dy_pool, b_map, epi_args, starts, ends, rows, inter, hidden,
+                -(-rows // _BLOCK_M) * num_parts)
+        grid = (max(1, min(-(-rows // _ROW_WEIGHT_GRAD_THREADS), 8 * jit.num_sms(device))), 1, 1)
+        jit.build(*_ROW_WEIGHT_GRAD).launch(
+            grid, (_ROW_WEIGHT_GRAD_THREADS, 1, 1),
+            (partials, starts, ends, ctypes.c_uint32(num_experts), ctypes.c_uint32(rows), ctypes.c_uint32(num_parts),
+             d_row_weight))
+    return dh, d_row_weight, act_w
