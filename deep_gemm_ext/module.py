@@ -95,9 +95,14 @@ class MegaMoE(nn.Module):
         std 0.02, the up (``w3``) and down (``w2``) projections std ``init_std``; all truncated at
         +-2 as ``nn.init.trunc_normal_`` does by default."""
         inter = self.intermediate
-        nn.init.trunc_normal_(self.l1_weights[:, :inter], mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.l1_weights[:, inter:], mean=0.0, std=init_std)
-        nn.init.trunc_normal_(self.l2_weights, mean=0.0, std=init_std)
+        # Under FSDP2 the parameters are DTensors sharded by expert (dim 0): an in-place init of a
+        # slice of the DTensor does not reach its storage, an init of the local shard's slice does.
+        l1 = self.l1_weights.to_local() if hasattr(self.l1_weights, "to_local") else self.l1_weights
+        l2 = self.l2_weights.to_local() if hasattr(self.l2_weights, "to_local") else self.l2_weights
+        with torch.no_grad():
+            nn.init.trunc_normal_(l1[:, :inter], mean=0.0, std=0.02)
+            nn.init.trunc_normal_(l1[:, inter:], mean=0.0, std=init_std)
+            nn.init.trunc_normal_(l2, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if topk_idx.dim() < 1 or topk_idx.shape[-1] != self.top_k:

@@ -160,14 +160,21 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
     return dh, d_row_weight.to(torch.float32 if acc == torch.float32 else acc), (act * w).to(h.dtype)
 
 
-def grouped_mm_nt(a: torch.Tensor, w: torch.Tensor, meta: RoutingMeta, engine: str) -> torch.Tensor:
+def grouped_mm_nt(a: torch.Tensor, w: torch.Tensor, meta: RoutingMeta, engine: str,
+                  zero_unowned: bool = False) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ w[e].T for a [P, K] pool and weights w [E, N, K].
 
-    Rows no expert owns (past ``meta.ends[-1]``) are left unwritten: nothing reads them.
+    Rows no expert owns (past ``meta.ends[-1]``) are left unwritten, since nothing reads them,
+    unless ``zero_unowned`` (for tensors the op returns, which must be fully defined).
     """
     if engine == "sm90":
-        return jit_kernels(a).m_grouped_bf16_gemm_nt_contiguous(a, w, meta.starts, meta.ends)
-    return _grouped_mm_torch(a, w.transpose(1, 2), meta, engine)
+        out = a.new_zeros(a.shape[0], w.shape[1]) if zero_unowned else None
+        return jit_kernels(a).m_grouped_bf16_gemm_nt_contiguous(a, w, meta.starts, meta.ends, out)
+    out = _grouped_mm_torch(a, w.transpose(1, 2), meta, engine)
+    if zero_unowned and engine == "grouped_mm":
+        owned = torch.arange(out.shape[0], device=out.device) < meta.ends[-1:]
+        out = torch.where(owned[:, None], out, 0)
+    return out
 
 
 def grouped_mm_nn(a: torch.Tensor, w: torch.Tensor, meta: RoutingMeta, engine: str) -> torch.Tensor:
@@ -222,11 +229,13 @@ def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
 
         o, h = deepgemm.deepgemm_forward(x_pool, meta, l1_weights, l2_weights, activation_clamp, recipe)
     elif fused_swiglu(engine, l2_weights.shape[2], x_pool):
-        h, act = jit_kernels(x_pool).m_grouped_bf16_gemm_nt_swiglu(x_pool, l1_weights, meta.starts, meta.ends,
-                                                                  activation_clamp)
+        # h is an output of the op: rows no expert owns are zero rather than stale memory.
+        h, act = jit_kernels(x_pool).m_grouped_bf16_gemm_nt_swiglu(
+            x_pool, l1_weights, meta.starts, meta.ends, activation_clamp,
+            h_out=x_pool.new_zeros(x_pool.shape[0], l1_weights.shape[1]))
         o = grouped_mm_nt(act, l2_weights, meta, engine)
     else:
-        h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine)
+        h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine, zero_unowned=True)
         o = grouped_mm_nt(swiglu_forward(h, activation_clamp), l2_weights.to(cdt), meta, engine)
     y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
     return y, x_pool, h, meta

@@ -52,6 +52,14 @@ def process_group(request, tmp_path):
     dist.destroy_process_group()
 
 
+def _mesh(device):
+    # Name the device type: fully_shard's default mesh is on CUDA whenever a GPU exists, which
+    # would move the gloo/CPU variant's parameters to the GPU.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (1,))
+
+
 def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -76,8 +84,9 @@ def test_fully_shard_matches_unsharded(process_group):
     torch.manual_seed(0)
     reference = TinyModel(dtype, device)
     sharded = copy.deepcopy(reference)
-    fsdp.fully_shard(sharded.moe)
-    fsdp.fully_shard(sharded)
+    mesh = _mesh(device)
+    fsdp.fully_shard(sharded.moe, mesh=mesh)
+    fsdp.fully_shard(sharded, mesh=mesh)
     assert type(sharded.moe.l1_weights).__name__ == "DTensor"
     x = torch.randn(T, H, device=device, dtype=dtype)
     ref_outs, ref_grads = train_steps(reference, x)
@@ -101,8 +110,9 @@ def test_fully_shard_bf16_mixed_precision(process_group):
     policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     moe_policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                            cast_forward_inputs=False)
-    fsdp.fully_shard(sharded.moe, mp_policy=moe_policy)
-    fsdp.fully_shard(sharded, mp_policy=policy)
+    mesh = _mesh(device)
+    fsdp.fully_shard(sharded.moe, mp_policy=moe_policy, mesh=mesh)
+    fsdp.fully_shard(sharded, mp_policy=policy, mesh=mesh)
     x = torch.randn(T, H, device=device)
     compute = copy.deepcopy(master).to(torch.bfloat16)  # what the bf16 compute sees
     y_ref = compute(x.bfloat16())
@@ -123,8 +133,9 @@ def test_meta_init_then_fully_shard(process_group):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device("meta"):
         model = TinyModel(dtype, None)
-    fsdp.fully_shard(model.moe)
-    fsdp.fully_shard(model)
+    mesh = _mesh(device)
+    fsdp.fully_shard(model.moe, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
     model.moe.reset_parameters(init_std=0.01)
     l1 = full(model.moe.l1_weights).float()

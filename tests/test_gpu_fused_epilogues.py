@@ -298,7 +298,8 @@ def test_no_or_one_token(num_tokens, monkeypatch):
     if h is None:  # no expert owns a row: nothing is written, d_row_weight is all zero
         h = torch.zeros(layer.rows, 512, dtype=torch.bfloat16, device="cuda")
         fwd = gg.m_grouped_bf16_gemm_nt_swiglu(layer.x_pool, layer.l1, layer.starts, layer.ends,
-                                               h_out=torch.full_like(h, NAN))
+                                               h_out=torch.full_like(h, NAN),
+                                               act_out=torch.full_like(h[:, :256], NAN))
         assert all(torch.isnan(t.float()).all() for t in fwd), "no owned rows, yet the forward wrote"
         dh, dw, act_w = _run_backward(layer, h, None)
         assert torch.isnan(dh.float()).all() and torch.isnan(act_w.float()).all()
@@ -395,5 +396,6 @@ def test_qwen3_30b_timing(clamp, monkeypatch):
         print(f"  {name:<38} {ms:8.3f} {flops / ms / 1e9:8.1f} {baseline[name[:2]] / ms:9.2f}x")
     fwd_fused = times["L1 fwd: fused nt_swiglu"]
     bwd_fused = min(times["L2 dgrad: fused nn_swiglu_bwd BN256"], times["L2 dgrad: fused nn_swiglu_bwd BN128"])
-    assert fwd_fused < baseline["L1"], f"fused forward {fwd_fused:.3f} ms, unfused {baseline['L1']:.3f} ms"
-    assert bwd_fused < baseline["L2"], f"fused backward {bwd_fused:.3f} ms, unfused {baseline['L2']:.3f} ms"
+    # A measurement, not a pass/fail: which variant the layer uses is DGE_FUSED_EPILOGUES' default,
+    # set from these numbers (docs/perf-notes.md).
+    print(f"  fused / unfused: forward {baseline['L1'] / fwd_fused:.2f}x, backward {baseline['L2'] / bwd_fused:.2f}x")

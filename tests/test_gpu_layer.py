@@ -60,7 +60,12 @@ def test_headline_shapes(shape):
         print(f"{shape:16s} {name:8s} ours {e_ours:.3e}  grouped_mm {e_base:.3e}")
 
 
-@pytest.mark.parametrize("clamp", [None, 0.5])
+# A clamp where many h values sit near it makes every bf16-h implementation (ours and the
+# baseline alike) flip gradient masks against the fp64 reference: a few percent of error that
+# measures bf16 storage of h, not the kernels. 4.0 keeps the clamp active on a few elements
+# without that; tight clamps are checked kernel by kernel against the same h
+# (test_gpu_jit_kernels, test_gpu_fused_epilogues) and in fp32/fp64 on CPU (test_reference).
+@pytest.mark.parametrize("clamp", [None, 4.0])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("T", [1, 77, 300])
 def test_routing_edge_cases(T, routing, clamp):
