@@ -49,6 +49,8 @@ def grouped_mm_moe(x, topk_idx, topk_weights, l1_weights, l2_weights, activation
     num_tokens, top_k = topk_idx.shape
     num_experts, two_i, hidden = l1_weights.shape
     inter = two_i // 2
+    if num_tokens == 0:
+        return x * 0
     flat = topk_idx.reshape(-1)
     keys = torch.where(flat >= 0, flat, num_experts)
     order = torch.argsort(keys, stable=True)

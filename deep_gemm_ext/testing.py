@@ -55,7 +55,7 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, kind: str = "uni
     # Fewer reachable experts than top_k: the remaining slots stay unused (-1).
     k = min(top_k, num_experts - (num_experts + 2) // 3 if kind == "empty_experts" else num_experts)
     idx = torch.full((num_tokens, top_k), -1, dtype=torch.int64)
-    if num_tokens:
+    if num_tokens and k > 0:
         idx[:, :k] = torch.multinomial(probs, k, replacement=False, generator=g)
     if kind == "unused_slots" and num_tokens:
         drop = torch.rand(num_tokens, top_k, generator=g) < 0.25

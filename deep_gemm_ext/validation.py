@@ -82,7 +82,9 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
         if not (activation_clamp > 0 and activation_clamp != float("inf")):
             raise ValueError(f"activation_clamp={activation_clamp} must be a finite positive number or None")
     if group is not None:
-        size = group.size() if hasattr(group, "size") else None
+        if not callable(getattr(group, "size", None)):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        size = group.size()
         if size != 1:
             raise NotImplementedError(
                 f"group of size {size}: expert parallelism over several ranks is not available yet; "
@@ -136,6 +138,10 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
                     ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
         _check_contiguous(name, t)
+        # The GPU kernels read rows with 16-byte loads and TMA: a view at an odd offset would fault.
+        if t.is_cuda and t.data_ptr() % 16:
+            raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not 16-byte aligned; expected a "
+                             f"16-byte aligned tensor (call .clone())")
 
     reason = unsupported_shape_reason(hidden, intermediate, "bf16", device.type)
     if reason is None and backend == "deep_gemm":

@@ -309,3 +309,34 @@ def test_layer_forward_and_backward_match_emulation(recipe, routing, clamp, torc
     for name, err in errors.items():
         assert err <= 1.1 * emulated[name] + 2e-3, \
             f"{name}: rel err {err:.3g} vs emulation {emulated[name]:.3g} ({recipe}, {routing}, clamp={clamp})"
+
+
+@gpu
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+@pytest.mark.parametrize("clamp", [None, 4.0])
+def test_mega_moe_train_with_deep_gemm_backend(recipe, clamp):
+    """The public call with backend="deep_gemm": y and all four gradients against the fp64
+    reference; bf16 no worse than 1.05x our default path, fp8 within the fp8 tolerance."""
+    import deep_gemm_ext as dge
+    from gpu_utils import run_layer
+
+    x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, routing="zipf", device="cuda", seed=21)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
+
+    def layer(backend, recipe):
+        return lambda x, idx, w, l1, l2, c: dge.mega_moe_train(x, idx, w, l1, l2, activation_clamp=c,
+                                                                backend=backend, recipe=recipe)
+
+    poison_allocator(1 << 28)
+    y, g = run_layer(layer("deep_gemm", recipe), x, idx, w, l1, l2, clamp, dy)
+    y_auto, g_auto = run_layer(layer("auto", "bf16"), x, idx, w, l1, l2, clamp, dy)
+    for name, out, base, ref in zip(("y", "dx", "d_topk", "d_l1", "d_l2"), (y, *g), (y_auto, *g_auto),
+                                    (y_ref, *g_ref)):
+        assert not out.isnan().any(), name
+        err, err_auto = rel_err(out, ref), rel_err(base, ref)
+        print(f"[{recipe} clamp={clamp}] {name}: deep_gemm {err:.2e}  auto {err_auto:.2e}")
+        if recipe == "bf16":
+            assert err <= 1.05 * err_auto + 1e-4, f"{name}: {err:.3e} vs auto {err_auto:.3e}"
+        else:
+            assert err < CPU_TOLERANCE[("fp8", False)], f"{name}: fp8 rel err {err:.3e}"
