@@ -103,11 +103,14 @@ def bench_one(fn, inputs, reps):
 
 
 def git_commit() -> str:
+    """DGE_COMMIT when set (a copy of the tree without its git history), else git's HEAD."""
+    if os.environ.get("DGE_COMMIT"):
+        return os.environ["DGE_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                       cwd=Path(__file__).parent, text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                       text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("DGE_COMMIT", "unknown")
+        return "unknown"
 
 
 def draw_png(records, path):
@@ -171,6 +174,11 @@ def main():
         for r in rows.values():
             r["ratio_vs_grouped_mm"] = round(base / r["fwdbwd_ms"], 3)
             records.append(r)
+            print(f"{wl_name}: {r['impl']} ({r['backend']}, {r['recipe']}) {r['fwdbwd_ms']:.3f} ms "
+                  f"{r['ratio_vs_grouped_mm']:.2f}x", flush=True)
+        if args.json:  # after every workload, so a cut-short run keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
         del inputs
         torch.cuda.empty_cache()
 
@@ -179,9 +187,6 @@ def main():
     for r in records:
         print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
               f"{r['tflops']:.0f} | {r['ratio_vs_grouped_mm']:.2f}x | {r['peak_gib']:.2f} |")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     if args.png:
         draw_png(records, args.png)
 
