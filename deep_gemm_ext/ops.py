@@ -13,13 +13,14 @@ import torch
 
 from . import unfused
 from .routing import RoutingMeta, pool_rows
-from .validation import check_expert_ids
+from .validation import check_alignment, check_expert_ids
 
 _LIB = "deep_gemm_ext"
 
 
 def _engine(x: torch.Tensor, l1_weights: torch.Tensor, backend: str) -> str:
-    return unfused.gemm_engine(x, l1_weights.shape[2], l1_weights.shape[1] // 2, backend)
+    num_experts, two_i, hidden = l1_weights.shape
+    return unfused.gemm_engine(x, hidden, two_i // 2, backend, num_experts)
 
 
 @torch.library.custom_op(f"{_LIB}::mega_moe_fwd", mutates_args=())
@@ -35,6 +36,8 @@ def mega_moe_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     num_experts = l1_weights.shape[0]
+    check_alignment(x=x, topk_idx=topk_idx, topk_weights=topk_weights, l1_weights=l1_weights,
+                    l2_weights=l2_weights)
     check_expert_ids(topk_idx, num_experts)
     y, x_pool, h, meta = unfused.moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights,
                                              activation_clamp, _engine(x, l1_weights, backend), recipe)

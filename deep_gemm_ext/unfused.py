@@ -46,7 +46,12 @@ def sm90_gemm_supported(hidden: int, intermediate: int) -> bool:
     return hidden % 128 == 0 and (2 * intermediate) % 128 == 0
 
 
-def gemm_engine(x: torch.Tensor, hidden: int, intermediate: int, backend: str = "auto") -> str:
+#: torch._grouped_mm refuses more groups than this.
+GROUPED_MM_MAX_GROUPS = 1024
+
+
+def gemm_engine(x: torch.Tensor, hidden: int, intermediate: int, backend: str = "auto",
+                num_experts: int = 1) -> str:
     """Who runs the grouped GEMMs: ``"sm90"`` (our JIT kernels), ``"grouped_mm"`` (torch),
     ``"deep_gemm"`` (upstream DeepGEMM, see backends/deepgemm.py) or ``"loop"`` (a loop over
     experts in fp32/fp64: the CPU reference path)."""
@@ -58,7 +63,7 @@ def gemm_engine(x: torch.Tensor, hidden: int, intermediate: int, backend: str = 
     if (backend == "auto" and (major, minor) == (9, 0) and sm90_gemm_supported(hidden, intermediate)
             and jit_kernels(x) is not None):
         return "sm90"
-    return "grouped_mm" if major >= 9 else "loop"
+    return "grouped_mm" if major >= 9 and num_experts <= GROUPED_MM_MAX_GROUPS else "loop"
 
 
 def compute_dtype(x: torch.Tensor, engine: str) -> torch.dtype:

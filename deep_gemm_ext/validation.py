@@ -138,10 +138,6 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
                     ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
         _check_contiguous(name, t)
-        # The GPU kernels read rows with 16-byte loads and TMA: a view at an odd offset would fault.
-        if t.is_cuda and t.data_ptr() % 16:
-            raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not 16-byte aligned; expected a "
-                             f"16-byte aligned tensor (call .clone())")
 
     reason = unsupported_shape_reason(hidden, intermediate, "bf16", device.type)
     if reason is None and backend == "deep_gemm":
@@ -158,6 +154,17 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     if reason is not None:
         raise ValueError(reason)
     return MoEShape(num_tokens, hidden, top_k, num_experts, intermediate)
+
+
+def check_alignment(**tensors: torch.Tensor) -> None:
+    """The GPU kernels read rows with 16-byte loads and TMA: a view at an odd offset would fault.
+
+    Called from the op's body, which runs eagerly even under torch.compile (data pointers cannot
+    be traced)."""
+    for name, t in tensors.items():
+        if t.is_cuda and t.data_ptr() % 16:
+            raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not 16-byte aligned; expected a "
+                             f"16-byte aligned tensor (call .clone())")
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:

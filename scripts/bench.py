@@ -136,7 +136,7 @@ def draw_png(records, path):
     ax.set_xticklabels(workloads, rotation=10, fontsize=8)
     ax.set_ylabel("forward+backward TFLOP/s")
     ax.set_title(f"MoE layer, {records[0]['gpu']}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -149,7 +149,11 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None, help="write records here")
     p.add_argument("--png", default=None, help="draw a bar chart here")
+    p.add_argument("--plot-only", default=None, metavar="JSON", help="redraw --png from saved records, no GPU")
     args = p.parse_args()
+    if args.plot_only:
+        draw_png(json.loads(Path(args.plot_only).read_text()), args.png)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
 

@@ -61,6 +61,9 @@ run_tool() {  # tool, extra flags...
     [ "$status" = clean ] || status_all=1
     echo "== $tool: $status (rc=$rc, ${secs} s)"
     grep -E "SUMMARY" "$log" | sed 's/^/   /'
+    # The first findings verbatim, so the report alone says what and where.
+    grep -E "^=+ +(Invalid|Program hit|Error|Warning|Race|Uninitialized|Barrier|Address|Saved host|[A-Z][a-z]+ access)" "$log" \
+        | head -6 | cut -c1-200 | sed 's/^/   > /'
     # The kernels named in the findings, ours (namespace dge) marked.
     python3 - "$log" <<'EOF'
 import collections, re, sys

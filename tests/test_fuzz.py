@@ -72,9 +72,7 @@ EMULATED = Limits(96, 128, 128, 12, 8, 8, 1 << 22, 1 << 22)
 
 @pytest.mark.parametrize("seed", range(12), ids=lambda s: f"seed-{s}")
 def test_gpu_composition_emulated_on_cpu(seed, monkeypatch):
-    if not hasattr(unfused, "gemm_engine"):
-        pytest.skip("unfused.gemm_engine is gone: update this test's engine override")
-    monkeypatch.setattr(unfused, "gemm_engine", lambda x, hidden, inter, backend="auto":
+    monkeypatch.setattr(unfused, "gemm_engine", lambda x, hidden, inter, backend="auto", num_experts=1:
                         "grouped_mm" if x.dtype == torch.bfloat16 else "loop")
     case = draw_case(seed, "cuda", EMULATED)
     result = check_case(case, "cpu", criteria_of=lambda dtype: GPU_CRITERIA, with_baseline=True)

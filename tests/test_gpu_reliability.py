@@ -154,7 +154,7 @@ def test_gpu_nonfinite_inputs_propagate_like_the_reference(scenario, engine, cla
     if engine == "sm90-fused":  # the opt-in SwiGLU GEMM epilogues
         monkeypatch.setenv("DGE_FUSED_EPILOGUES", "1")
     if scenario == "l1_up_inf" and clamp is not None:
-        # Known limitation (docs/bad-inputs.md): the pool's zero padding rows compute 0 * Inf = NaN
+        # Known limitation (README.md (Bad inputs)): the pool's zero padding rows compute 0 * Inf = NaN
         # in h, the clamp cannot absorb it, and the weight gradients sum over those rows.
         request.applymarker(pytest.mark.xfail(strict=True, reason="padding rows turn 0 * Inf into NaN"))
     problems = check_nonfinite(scenario, "cuda", clamp=clamp, shape=SHAPES[engine])
