@@ -1,6 +1,7 @@
 """Inputs and error measures shared by the tests and the benchmarks (one generator for both)."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,32 @@ def make_inputs(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         for i in (0, 2, 3, 4):
             tensors[i].requires_grad_(True)
     return tuple(tensors)
+
+
+_L2_FLUSH: torch.Tensor | None = None
+
+
+def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False) -> float:
+    """Median device time of ``fn()`` in milliseconds from CUDA events, after ``warmup`` calls.
+
+    ``flush_l2`` writes 256 MiB before each repeat so every call starts with a cold L2.
+    """
+    global _L2_FLUSH
+    if flush_l2 and _L2_FLUSH is None:
+        _L2_FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if flush_l2:
+            _L2_FLUSH.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, make_inputs  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, make_inputs, median_ms  # noqa: E402
 
 
 def _ours(backend="auto", recipe="bf16"):
@@ -69,31 +68,17 @@ def implementations(with_loop: bool):
     return impls
 
 
-def time_ms(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def bench_one(fn, inputs, reps):
     x, idx, w, l1, l2 = inputs
     dy = torch.randn_like(x)
     with torch.no_grad():
-        fwd = time_ms(lambda: fn(x, idx, w, l1, l2), reps)
+        fwd = median_ms(lambda: fn(x, idx, w, l1, l2), reps)
 
     def fwd_bwd():
         y = fn(x, idx, w, l1, l2)
         torch.autograd.grad(y, (x, w, l1, l2), dy)
 
-    fwdbwd = time_ms(fwd_bwd, reps)
+    fwdbwd = median_ms(fwd_bwd, reps)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -10,25 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
-from deep_gemm_ext.testing import WORKLOADS, make_routing
-
-
-def _median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms
 
 
 def _pool(rows: int, cols: int, pad: torch.Tensor) -> torch.Tensor:
@@ -77,11 +64,11 @@ def main() -> int:
     ]
     results = []
     for name, flops, ours, baseline in cases:
-        ms = _median_ms(ours, args.reps)
+        ms = median_ms(ours, args.reps)
         base_ms = None
         if baseline is not None:
             try:
-                base_ms = _median_ms(baseline, args.reps)
+                base_ms = median_ms(baseline, args.reps)
             except (RuntimeError, TypeError) as exc:  # a layout torch's grouped GEMM does not take
                 print(f"{name}: torch._grouped_mm unavailable ({str(exc).splitlines()[0]})")
         results.append({"gemm": name, "workload": w.name, "pool_rows": used, "us": ms * 1e3,

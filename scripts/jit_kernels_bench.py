@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,27 +21,13 @@ from deep_gemm_ext import jit  # noqa: E402
 from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, routing_metadata, swiglu,  # noqa: E402
                                        swiglu_backward, swiglu_forward)
 from deep_gemm_ext.routing import compute_routing_torch, pool_rows  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, make_routing  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms  # noqa: E402
 
-_flush = None
 
 
 def time_us(fn, repeats: int) -> float:
     """Median device time of ``fn()`` in microseconds, with a cold L2 each time."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    fn()
-    times = []
-    for _ in range(repeats):
-        _flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return median_ms(fn, repeats, warmup=1, flush_l2=True) * 1e3
 
 
 # torch equivalents (what the unfused layer would run)

@@ -11,7 +11,6 @@ then the Qwen3-30B-A3B shape with a timing table (fused vs GEMM + elementwise ke
 from __future__ import annotations
 
 import shutil
-import statistics
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from deep_gemm_ext import unfused
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
-from deep_gemm_ext.testing import WORKLOADS, make_routing, rel_err
+from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms, rel_err
 
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
@@ -332,18 +331,6 @@ def test_shape_errors():
 # -- GPU: Qwen3-30B-A3B shape, correctness and timing ----------------------------------------------------------
 
 
-def _median_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events)
-
-
 @needs_hopper
 @pytest.mark.parametrize("clamp", [None, 7.0])
 def test_qwen3_30b_timing(clamp, monkeypatch):
@@ -387,7 +374,7 @@ def test_qwen3_30b_timing(clamp, monkeypatch):
         ("L2 dgrad: fused nn_swiglu_bwd BN128", l2_flops,
          lambda: gg.m_grouped_bf16_gemm_nn_swiglu_bwd(dy, l2, h, rw, s, t, clamp, block_n=128)),
     ]
-    times = {name: _median_ms(fn) for name, _, fn in rows}
+    times = {name: median_ms(fn, 20) for name, _, fn in rows}
     baseline = {"L1": times["L1 fwd: GEMM + swiglu_forward"], "L2": times["L2 dgrad: GEMM + swiglu_backward"]}
     print(f"\n  {w.name}, clamp {clamp}: pool rows {layer.rows} (owned {used}); GEMM TFLOP/s over owned rows")
     print(f"  {'step':<38} {'ms':>8} {'TFLOP/s':>8} {'x unfused':>10}")
