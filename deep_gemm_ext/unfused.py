@@ -1,10 +1,11 @@
 """The unfused MoE layer: routing, gather, grouped GEMMs, SwiGLU and combine as separate steps.
 
-One composition serves two purposes:
-- on CPU (and on GPUs without the bf16 grouped GEMM) it is the reference path of
+One composition serves every engine (``gemm_engine``):
+- on CPU (and on GPUs without a bf16 grouped GEMM) it is the reference path of
   ``mega_moe_train``, computing in fp32 (fp64 for fp64 inputs) with a loop over experts;
-- on SM90+ it is the fast unfused GPU path: ``torch._grouped_mm`` over the block-aligned pool, the
-  elementwise steps in JIT kernels when they are available, and no host synchronisation.
+- on SM90 it runs our JIT grouped GEMMs over the 128-row-aligned pool ("sm90"), or
+  ``torch._grouped_mm`` ("grouped_mm"), or upstream DeepGEMM's ("deep_gemm"), with the elementwise
+  steps in JIT kernels when they are available and no host synchronisation.
 
 The backward is written by hand (design.md §2): it needs only the dispatched pool of x, the L1
 output h and the routing metadata, and gets ``d topk_weights`` as ``<da', act>`` without the L2
