@@ -100,9 +100,10 @@ class MegaMoE(nn.Module):
         l1 = self.l1_weights.to_local() if hasattr(self.l1_weights, "to_local") else self.l1_weights
         l2 = self.l2_weights.to_local() if hasattr(self.l2_weights, "to_local") else self.l2_weights
         with torch.no_grad():
-            nn.init.trunc_normal_(l1[:, :inter], mean=0.0, std=0.02)
-            nn.init.trunc_normal_(l1[:, inter:], mean=0.0, std=init_std)
-            nn.init.trunc_normal_(l2, mean=0.0, std=init_std)
+            for view, std in ((l1[:, :inter], 0.02), (l1[:, inter:], init_std), (l2, init_std)):
+                # Drawn in fp32: trunc_normal_ in bf16 rounds some uniforms to exactly +-1, whose
+                # erfinv is +-inf, clamped to the +-2 bounds (std 0.1 instead of 0.02 on CUDA).
+                view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if topk_idx.dim() < 1 or topk_idx.shape[-1] != self.top_k:
