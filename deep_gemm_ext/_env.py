@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "0").strip().lower()
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "1" if default else "0").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
@@ -68,6 +68,13 @@ def fused_epilogues() -> bool:
     default: on the H200 both fused GEMMs are slower than GEMM + elementwise kernel today (their
     epilogue does not overlap the next tile's mainloop); see docs/perf-notes.md."""
     return _flag("DGE_FUSED_EPILOGUES")
+
+
+def fused_gather() -> bool:
+    """DGE_FUSED_GATHER: the SM90 L1 forward GEMM gathers its rows of x itself (no dispatched pool
+    in the forward; the backward rebuilds it for dW1, so the layer saves x instead of the
+    [T*K, H] pool). Default on; 0 gathers into a pool first and saves it."""
+    return _flag("DGE_FUSED_GATHER", default=True)
 
 
 def check_ids() -> bool:

@@ -1,7 +1,7 @@
 """``torch.library`` custom ops for the MoE layer, with fake impls and a registered autograd.
 
 ``deep_gemm_ext::mega_moe_fwd`` returns ``y`` plus what backward needs (the dispatched pool of x,
-the L1 output h, the routing metadata); ``deep_gemm_ext::mega_moe_bwd`` turns them into the four
+or an empty placeholder where the L1 GEMM gathers x itself, the L1 output h, the routing metadata); ``deep_gemm_ext::mega_moe_bwd`` turns them into the four
 gradients. Both are opaque to ``torch.compile`` (one node each) and free of host syncs on the GPU
 path, so they can be captured in CUDA graphs.
 """
@@ -55,7 +55,7 @@ def _(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, backe
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
         x.new_empty(num_tokens, hidden),
-        x.new_empty(rows, hidden, dtype=cdt),
+        x.new_empty(0 if unfused.fused_gather(engine) else rows, hidden, dtype=cdt),
         x.new_empty(rows, two_i, dtype=cdt),
         torch.empty(num_experts, **i32),
         torch.empty(num_experts, **i32),
@@ -81,18 +81,19 @@ def mega_moe_bwd(
     activation_clamp: Optional[float],
     backend: str,
     recipe: str,
+    x_pool_is_x: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     top_k = topk_weights.shape[1]
     engine = _engine(dy, l1_weights, backend)
     meta = RoutingMeta(counts, starts, ends, slot_to_row, row_to_slot, num_experts=l1_weights.shape[0],
                        top_k=top_k, align=unfused.ROUTING_ALIGN[engine])
     return unfused.moe_backward(dy.contiguous(), x_pool, h, meta, topk_weights, l1_weights, l2_weights,
-                                activation_clamp, engine, recipe)
+                                activation_clamp, engine, recipe, x_pool_is_x)
 
 
 @mega_moe_bwd.register_fake
 def _(dy, x_pool, h, topk_weights, l1_weights, l2_weights, counts, starts, ends, slot_to_row,
-      row_to_slot, activation_clamp, backend, recipe):
+      row_to_slot, activation_clamp, backend, recipe, x_pool_is_x):
     return (torch.empty_like(dy), torch.empty_like(topk_weights), torch.empty_like(l1_weights),
             torch.empty_like(l2_weights))
 
@@ -107,7 +108,10 @@ def _setup_context(ctx, inputs, output):
     ctx.activation_clamp = activation_clamp
     ctx.backend = backend
     ctx.recipe = recipe
-    ctx.save_for_backward(x_pool, h, topk_weights, l1_weights, l2_weights, *meta)
+    # Where the L1 GEMM gathered x itself there is no pool: x is saved (the caller holds it anyway)
+    # and the backward gathers the pool for dW1.
+    ctx.x_pool_is_x = unfused.fused_gather(_engine(x, l1_weights, backend))
+    ctx.save_for_backward(x if ctx.x_pool_is_x else x_pool, h, topk_weights, l1_weights, l2_weights, *meta)
 
 
 def _backward(ctx, dy, *unused_grads):
@@ -116,7 +120,7 @@ def _backward(ctx, dy, *unused_grads):
     x_pool, h, topk_weights, l1_weights, l2_weights, *meta = ctx.saved_tensors
     dx, d_topk, d_l1, d_l2 = torch.ops.deep_gemm_ext.mega_moe_bwd(
         dy, x_pool, h, topk_weights, l1_weights, l2_weights, *meta, ctx.activation_clamp, ctx.backend,
-        ctx.recipe)
+        ctx.recipe, ctx.x_pool_is_x)
     return dx, None, d_topk, d_l1, d_l2, None, None, None
 
 

@@ -80,6 +80,12 @@ def fused_swiglu(engine: str, intermediate: int, t: torch.Tensor) -> bool:
             and jit_kernels(t).swiglu_epilogue_supported(intermediate))
 
 
+def fused_gather(engine: str) -> bool:
+    """The L1 forward GEMM gathers x's rows itself (its gathering prologue): the forward builds no
+    dispatched pool of x, and the layer saves x; the backward gathers the pool for dW1 only."""
+    return engine == "sm90" and _env.fused_gather()
+
+
 #: Rows per expert group: our kernels' M tile; torch._grouped_mm's 16-byte k-grouped starts.
 ROUTING_ALIGN = {"sm90": 128, "grouped_mm": 16, "deep_gemm": 128, "loop": 1}
 
@@ -220,15 +226,37 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta, engine: s
 
 def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, engine,
                 recipe="bf16"):
-    """Returns ``(y, x_pool, h, meta)``; ``x_pool``, ``h`` and ``meta`` are what backward needs."""
+    """Returns ``(y, x_pool, h, meta)``; ``x_pool``, ``h`` and ``meta`` are what backward needs.
+
+    Where ``fused_gather(engine)``, ``x_pool`` is an empty [0, H] placeholder: the L1 GEMM read x's
+    rows itself, and the backward rebuilds the pool from x."""
     num_experts = l1_weights.shape[0]
     top_k = topk_idx.shape[1]
     cdt = compute_dtype(x, engine)
     meta = routing(topk_idx, num_experts, ROUTING_ALIGN[engine])
+    from_x = fused_gather(engine)
     if x.shape[0] == 0:
-        x_pool = x.new_zeros(meta.num_pool_rows, x.shape[1], dtype=cdt)
+        x_pool = x.new_zeros(0 if from_x else meta.num_pool_rows, x.shape[1], dtype=cdt)
         h = x.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
         return x.new_zeros(x.shape), x_pool, h, meta
+    if from_x:
+        k = jit_kernels(x)
+        gather = k.Gather(meta.row_to_slot, top_k)
+        rows = meta.num_pool_rows
+        x_pool = x.new_empty(0, x.shape[1], dtype=cdt)
+        xc = x.contiguous()
+        # h is an output of the op: rows no expert owns are zero rather than stale memory.
+        h_out = x.new_zeros(rows, l1_weights.shape[1], dtype=cdt)
+        l1 = l1_weights.to(cdt)
+        if fused_swiglu(engine, l2_weights.shape[2], x):
+            h, act = k.m_grouped_bf16_gemm_nt_swiglu(xc, l1, meta.starts, meta.ends, activation_clamp,
+                                                     h_out=h_out, gather=gather)
+        else:
+            h = k.m_grouped_bf16_gemm_nt_contiguous(xc, l1, meta.starts, meta.ends, h_out, gather=gather)
+            act = swiglu_forward(h, activation_clamp)
+        o = grouped_mm_nt(act, l2_weights.to(cdt), meta, engine)
+        y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
+        return y, x_pool, h, meta
     x_pool = gather_rows(x.to(cdt), meta.row_to_slot, top_k)
     if engine == "deep_gemm":
         from .backends import deepgemm
@@ -248,8 +276,11 @@ def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
 
 
 def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_weights,
-                 activation_clamp, engine, recipe="bf16"):
-    """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors."""
+                 activation_clamp, engine, recipe="bf16", x_pool_is_x=False):
+    """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors.
+
+    ``x_pool_is_x``: ``x_pool`` is x [T, H] (the forward gathered in its L1 GEMM); the pool is
+    gathered here, for dW1 only."""
     top_k = meta.top_k
     cdt = x_pool.dtype
     num_tokens = meta.slot_to_row.shape[0] // top_k
@@ -277,6 +308,8 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
         d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
         del dy_pool, act_w
         dx_pool = grouped_mm_nn(dh, l1_weights.to(cdt), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
+        if x_pool_is_x:
+            x_pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, top_k)
         d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
         del dh
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)

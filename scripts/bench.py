@@ -57,6 +57,8 @@ def implementations(with_loop: bool):
     impls[("ours", "auto", "bf16")] = _ours()
     # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
     impls[("ours", "auto+fused-swiglu", "bf16")] = _ours()
+    # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself.
+    impls[("ours", "auto+pool-gather", "bf16")] = _ours()
     impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
         from deep_gemm_ext.backends import deepgemm
@@ -84,7 +86,15 @@ def bench_one(fn, inputs, reps):
     torch.cuda.reset_peak_memory_stats()
     fwd_bwd()
     torch.cuda.synchronize()
-    return fwd, fwdbwd, torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    # What the layer keeps between forward and backward (y and its saved tensors): per layer, this
+    # is what a training step holds until the backward reaches it.
+    before = torch.cuda.memory_allocated()
+    y = fn(x, idx, w, l1, l2)
+    torch.cuda.synchronize()
+    saved = (torch.cuda.memory_allocated() - before) / 2**30
+    del y
+    return fwd, fwdbwd, peak, saved
 
 
 def git_commit() -> str:
@@ -152,13 +162,15 @@ def main():
                              device="cuda", seed=1234)
         rows = {}
         for (impl, backend, recipe), fn in impls.items():
-            with _environ({"DGE_FUSED_EPILOGUES": "1" if "fused" in backend else "0"}):
-                fwd, fwdbwd, peak = bench_one(fn, inputs, args.reps)
+            with _environ({"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
+                           "DGE_FUSED_GATHER": "0" if "pool-gather" in backend else "1"}):
+                fwd, fwdbwd, peak, saved = bench_one(fn, inputs, args.reps)
             rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
                               recipe=recipe, fwd_ms=round(fwd, 4),
                               fwdbwd_ms=round(fwdbwd, 4),
                               tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
-                              peak_gib=round(peak, 3), gpu=gpu, commit=commit, date=date)
+                              peak_gib=round(peak, 3), saved_gib=round(saved, 3), gpu=gpu, commit=commit,
+                              date=date)
         base = rows[("grouped_mm", "torch", "bf16")]["fwdbwd_ms"]
         for r in rows.values():
             r["ratio_vs_grouped_mm"] = round(base / r["fwdbwd_ms"], 3)
@@ -171,11 +183,12 @@ def main():
         del inputs
         torch.cuda.empty_cache()
 
-    print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm | peak GiB "
+          "| saved GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
-              f"{r['tflops']:.0f} | {r['ratio_vs_grouped_mm']:.2f}x | {r['peak_gib']:.2f} |")
+              f"{r['tflops']:.0f} | {r['ratio_vs_grouped_mm']:.2f}x | {r['peak_gib']:.2f} | {r['saved_gib']:.2f} |")
     if args.png:
         draw_png(records, args.png)
 

@@ -7,7 +7,7 @@ import torch
 
 from .gather_combine import combine_rows, gather_rows
 from .routing import routing_metadata
-from .sm90_bf16_grouped_gemm import (k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
+from .sm90_bf16_grouped_gemm import (Gather, k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
                                      m_grouped_bf16_gemm_nn_swiglu_bwd, m_grouped_bf16_gemm_nt_contiguous,
                                      m_grouped_bf16_gemm_nt_swiglu, swiglu_epilogue_supported)
 from .swiglu import swiglu_backward, swiglu_forward

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +63,7 @@ class GemmConfig:
     paired_n: bool = False
     epilogue: str = "store"
     clamp: bool = False  # SwiGLU epilogues: compile the activation clamp in
+    gather_a: bool = False  # gathering prologue: A rows come from x through row_to_slot
 
     @property
     def stages(self) -> int:
@@ -74,6 +76,8 @@ class GemmConfig:
             name += "_paired"
         if self.epilogue != "store":
             name += f"_{self.epilogue}" + ("_clamp" if self.clamp else "")
+        if self.gather_a:
+            name += "_gather"
         return name
 
     def smem_bytes(self) -> int:
@@ -92,14 +96,18 @@ class GemmConfig:
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_bf16_grouped_gemm_kernel<\n"
                 f"    dge::sched::GroupedGemmType::{gemm_type}, dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
                 f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M},\n"
+                f"    {'true' if self.gather_a else 'false'},\n"
                 f"    {epilogue}, {', '.join(epi_args)}>);\n")
 
 
 def _all_configs() -> list[GemmConfig]:
     configs = [GemmConfig(layout, block_n) for layout in ("nt", "nn", "tn") for block_n in (256, 128)]
     configs.append(GemmConfig("nt", 256, paired_n=True))
+    configs += [GemmConfig("nt", block_n, gather_a=True) for block_n in (256, 128)]
     for clamp in (False, True):
-        configs.append(GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp))
+        for gather_a in (False, True):
+            configs.append(GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp,
+                                      gather_a=gather_a))
         configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp) for block_n in (256, 128)]
     return configs
 
@@ -182,21 +190,55 @@ def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str 
 # -- launch -----------------------------------------------------------------------------------------------
 
 
+class Gather(NamedTuple):
+    """The gathering prologue of an M-grouped GEMM: ``a`` is the token matrix x [T, K] and pool row
+    r reads ``x[row_to_slot[r] // top_k]``, a zero row where ``row_to_slot[r] < 0`` (padding) or
+    where the slot is past the tokens (TMA reads outside x as zeros). ``row_to_slot`` [P] int32 is
+    the routing's map (deep_gemm_ext.routing.RoutingMeta.row_to_slot); P is the pool's row count."""
+    row_to_slot: torch.Tensor
+    top_k: int
+
+
+def _check_gather(gather: Gather | None) -> None:
+    """Type, dtype and shape of a gather (before the operands' device checks)."""
+    if gather is None:
+        return
+    if not isinstance(gather, Gather):
+        raise TypeError(f"gather: expected jit_kernels.Gather(row_to_slot, top_k), got {type(gather).__name__}")
+    _check_tensor("gather.row_to_slot", gather.row_to_slot, 1, torch.int32)
+    if not isinstance(gather.top_k, int) or gather.top_k < 1:
+        raise ValueError(f"gather.top_k={gather.top_k!r}: expected a positive int")
+
+
+def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
+    """The pool's row count: a's rows, or row_to_slot's with a gather (checked to be on a's device)."""
+    if gather is None:
+        return a.shape[0]
+    if gather.row_to_slot.device != a.device:
+        raise ValueError(f"gather.row_to_slot: on {gather.row_to_slot.device}, expected {a.device} like x")
+    return gather.row_to_slot.shape[0]
+
+
 def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: tuple, starts, ends,
-            shape_m: int, shape_n: int, shape_k: int, max_tiles: int) -> None:
-    """``epi_args``: the epilogue's kernel arguments (for the store epilogue, the output's tensor map)."""
+            shape_m: int, shape_n: int, shape_k: int, max_tiles: int, gather: Gather | None = None) -> None:
+    """``epi_args``: the epilogue's kernel arguments (for the store epilogue, the output's tensor map).
+    With ``gather``, ``a`` is x and each A row is loaded on its own (1-row boxes)."""
     kernel = jit.build(config.name, config.code())
-    a_map = jit.make_tma_2d(a, 64, 64)
+    a_map = jit.make_tma_2d(a, 1, 64) if gather is not None else jit.make_tma_2d(a, 64, 64)
     grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
+    row_to_slot, top_k = (gather.row_to_slot, gather.top_k) if gather is not None else (starts, 1)
     kernel.launch(grid, (_THREADS, 1, 1),
                   (starts, ends, ctypes.c_uint32(starts.shape[0]), ctypes.c_uint32(shape_m),
-                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), a_map, b_map, *epi_args),
+                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), row_to_slot, ctypes.c_uint32(top_k),
+                   a_map, b_map, *epi_args),
                   smem=config.smem_bytes())
 
 
-def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool) -> torch.Tensor:
+def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None) -> torch.Tensor:
+    _check_gather(gather)
     num_experts = _check_inputs(a, b, 3, starts, ends)
-    rows, k = a.shape
+    k = a.shape[1]
+    rows = _pool_rows(gather, a)
     if layout == "nt":
         experts_b, n, k_b = b.shape
     else:
@@ -217,25 +259,30 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool) -> torch.Te
         return out
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
-    config = GemmConfig(layout, block_n, paired_n)
+    if gather is not None and a.shape[0] == 0:  # nothing to gather from: every pool row reads zeros
+        a = a.new_zeros(1, k)
+    config = GemmConfig(layout, block_n, paired_n, gather_a=gather is not None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
         num_n_blocks = n // block_n if paired_n else -(-n // block_n)
         _launch(config, a, b_map, (jit.make_tma_2d(out, 64, 64),), starts, ends, rows, n, k,
-                -(-rows // _BLOCK_M) * num_n_blocks)
+                -(-rows // _BLOCK_M) * num_n_blocks, gather)
     return out
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None, *, paired_n: bool = False) -> torch.Tensor:
+                                      out: torch.Tensor | None = None, *, paired_n: bool = False,
+                                      gather: Gather | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
     starts/ends [E] int32 on the device. ``paired_n`` computes the same output through tiles that
     hold columns j and N/2 + j together (the tiling a SwiGLU epilogue needs; N % 256 == 0).
+    ``gather``: a is x [T, K] and the GEMM reads pool row r from ``x[row_to_slot[r] // top_k]``
+    (bit-identical to gathering the pool first).
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
@@ -289,7 +336,8 @@ def swiglu_epilogue_supported(intermediate: int) -> bool:
 
 def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                   clamp: float | None = None, *, h_out: torch.Tensor | None = None,
-                                  act_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  act_out: torch.Tensor | None = None,
+                                  gather: Gather | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """L1 forward with the SwiGLU in the epilogue: ``(h [P, 2I], act [P, I])``, both bf16.
 
     x_pool [P, H] bf16, l1 [E, 2I, H] bf16 (rows [0, I) gate, [I, 2I) up), I a multiple of 128.
@@ -297,11 +345,14 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
     paired_n=True)``: same tiles, same fp32 accumulation, round to nearest even);
     ``act = bf16(silu(min(g, c)) * clamp(u, -c, c))`` in fp32 from the bf16-rounded g, u of h, with
     swiglu_forward's expression (so it equals ``swiglu_forward(h, clamp)`` of the JIT kernels bit for
-    bit). Rows no expert owns are left unwritten.
+    bit). Rows no expert owns are left unwritten. ``gather``: x_pool is x [T, H], gathered by the GEMM
+    (see m_grouped_bf16_gemm_nt_contiguous).
     """
+    _check_gather(gather)
     num_experts = _check_inputs(x_pool, l1, 3, starts, ends, names=("x_pool", "l1"))
     c = _check_clamp(clamp)
-    rows, hidden = x_pool.shape
+    hidden = x_pool.shape[1]
+    rows = _pool_rows(gather, x_pool)
     experts_b, two_inter, hidden_b = l1.shape
     if experts_b != num_experts:
         raise ValueError(f"l1: {experts_b} experts (shape {tuple(l1.shape)}), expected {num_experts} like starts/ends")
@@ -319,12 +370,15 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
         return h, act
     if hidden == 0:
         raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
-    config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None)
+    if gather is not None and x_pool.shape[0] == 0:
+        x_pool = x_pool.new_zeros(1, hidden)
+    config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None,
+                        gather_a=gather is not None)
     with jit.device_guard(x_pool):
         b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
         epi_args = (jit.make_tma_2d(h, 64, 64), jit.make_tma_2d(act, 64, 64), ctypes.c_float(c))
         _launch(config, x_pool, b_map, epi_args, starts, ends, rows, two_inter, hidden,
-                -(-rows // _BLOCK_M) * (two_inter // config.block_n))
+                -(-rows // _BLOCK_M) * (two_inter // config.block_n), gather)
     return h, act
 
 

@@ -121,6 +121,8 @@ moe_routing_scatter_kernel(const IdxT* __restrict__ topk_idx, int num_slots, int
         const u32 peers = __match_any_sync(kFullMask, expert);
         if (expert >= 0 && (peers & lanemask_lt()) == 0)
             my_rows[expert] += __popc(peers);
+        // The next step's leader for this expert may be another lane: order the read-modify-writes.
+        __syncwarp();
     }
     __syncthreads();
 

@@ -11,6 +11,13 @@
 // 128 x BLOCK_N tile, issuing wgmma m64nBLOCK_Nk16 with fp32 accumulators in registers. The
 // epilogue is a template hook that receives the accumulators with the tile's coordinates.
 //
+// Gathering prologue (kGatherA, M-grouped only): A is not a pool but the token matrix x [T, K],
+// and pool row r reads x[row_to_slot[r] / top_k] (a padding row, row_to_slot[r] < 0, reads zeros).
+// The whole first producer warp loads the 128 rows of each A stage as 1-row TMA boxes (64 columns,
+// 128 bytes) placed at row r * 128 of the stage: the 128B swizzle is a function of the shared
+// memory address, so the rows land exactly where one 128-row box would have put them. A row
+// coordinate of -1 is out of bounds, which TMA fills with zeros (and still counts the bytes).
+//
 // kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
 // correct but measured 0.6x of kClusterN = 1 on H200 (cause not yet found), so launchers use 1.
 
@@ -118,10 +125,11 @@ struct SmemLayout {
 };
 
 template <GroupedGemmType kType, Major kMajorA, Major kMajorB, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, class Epilogue, class... EpiArgs>
+          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, bool kGatherA, class Epilogue, class... EpiArgs>
 __global__ void __launch_bounds__(kNumThreads, 1)
 sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__ ends, uint32_t num_experts,
                               uint32_t shape_m, uint32_t shape_n, uint32_t shape_k,
+                              const int* __restrict__ gather_row_to_slot, uint32_t gather_top_k,
                               const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                               const __grid_constant__ EpiArgs... epi_args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -132,6 +140,8 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
+    static_assert(!kGatherA || (kType == GroupedGemmType::MGroupedContiguous && kClusterN == 1),
+                  "the gathering prologue is for M-grouped GEMMs without clusters");
 
     using MMA = mma::WgmmaBF16<BLOCK_N, kMajorA, kMajorB>;
     using Layout = SmemLayout<BLOCK_N, kNumStages, Epilogue>;
@@ -163,20 +173,48 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
     if (warpgroup == kNumConsumerWarpgroups) {
-        // Producer warpgroup: one thread issues every TMA load.
+        // Producer warpgroup: one thread issues every TMA load (with the gathering prologue, the
+        // whole warp issues the A rows and its lane 0 everything else).
         ptx::setmaxnreg_dec<kProducerRegisters>();
-        if (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && ptx::elect_one_sync()) {
-            ptx::prefetch_tensormap(&tma_a);
-            ptx::prefetch_tensormap(&tma_b);
+        if (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && (kGatherA || ptx::elect_one_sync())) {
+            const bool leader = !kGatherA || lane == 0;
+            if (leader) {
+                ptx::prefetch_tensormap(&tma_a);
+                ptx::prefetch_tensormap(&tma_b);
+            }
             Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                                 cta_rank);
             sm90::PipelineState<kNumStages> st;
             sched::GroupedTile tile;
+            constexpr uint32_t kRowsPerLane = kGatherA ? BLOCK_M / 32 : 1;
             while (scheduler.next(tile)) {
                 const TileColumns<BLOCK_N, kPairedN> cols(tile.n_block, shape_n);
+                // Source rows of this lane's pool rows (lane + 32 i of the M block).
+                int32_t src_rows[kRowsPerLane];
+                if constexpr (kGatherA) {
+#pragma unroll
+                    for (uint32_t i = 0; i < kRowsPerLane; ++i) {
+                        // shape_m is the pool's row count: rows past it (ends past the pool) read zeros.
+                        const uint32_t row = tile.m_block * BLOCK_M + lane + 32 * i;
+                        const int slot = row < shape_m ? __ldg(gather_row_to_slot + row) : -1;
+                        src_rows[i] = slot >= 0 ? slot / static_cast<int>(gather_top_k) : -1;
+                    }
+                }
                 for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
-                    const uint32_t full = pipe.producer_acquire(st, Layout::kStageBytes);
+                    uint32_t full = pipe.full(st.stage);
+                    if (leader)
+                        full = pipe.producer_acquire(st, Layout::kStageBytes);
                     const uint32_t k0 = kb * BLOCK_K;
+                    if constexpr (kGatherA) {
+                        // The leader has seen the stage freed: only then may the lanes write it.
+                        __syncwarp();
+#pragma unroll
+                        for (uint32_t i = 0; i < kRowsPerLane; ++i)
+                            ptx::tma_load_2d(smem_a(st.stage) + (lane + 32 * i) * 128, &tma_a, full,
+                                             static_cast<int32_t>(k0), src_rows[i]);
+                        if (!leader)
+                            continue;
+                    }
                     // A: two 64-wide atoms (rows of the pool for K-major, columns of M for MN-major);
                     // in a cluster each CTA loads one atom for both.
                     auto load_a = [&](uint32_t atom, uint16_t mask) {
@@ -194,7 +232,9 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
                         else
                             ptx::tma_load_2d(dst, &tma_a, full, col, row);
                     };
-                    if constexpr (kClusterN > 1) {
+                    if constexpr (kGatherA) {
+                        // loaded above
+                    } else if constexpr (kClusterN > 1) {
                         load_a(cta_rank, static_cast<uint16_t>((1u << kClusterN) - 1));
                     } else {
                         load_a(0, 0);

@@ -1,0 +1,147 @@
+"""The gathering prologue of the SM90 grouped GEMM core (L1 forward reads x's rows itself).
+
+GPU (Hopper): the gathered GEMM is bit-identical to gathering the pool first (gather_rows) and
+running the plain GEMM, for the store and SwiGLU epilogues, on uniform / skewed / empty-expert /
+one-expert / unused-slot routings, with NaN-poisoned outputs; slots past the tokens and pool rows
+past the pool read zeros (never out of bounds); the layer with DGE_FUSED_GATHER on and off gives
+bit-identical y and gradients, and saves x instead of the pool. CPU: argument checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deep_gemm_ext as dge
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+from deep_gemm_ext.routing import compute_routing_torch
+from deep_gemm_ext.testing import make_inputs, make_routing
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
+
+
+def test_gather_argument_checks():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    b = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    se = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="gather: expected jit_kernels.Gather"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(x, b, se, se, gather=(se, 2))
+    with pytest.raises(TypeError, match="gather.row_to_slot: dtype torch.int64"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(x, b, se, se, gather=gg.Gather(se.long(), 2))
+    with pytest.raises(ValueError, match="gather.top_k=0"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(x, b, se, se, gather=gg.Gather(se, 0))
+
+
+def test_gather_configs_exist():
+    names = [c[0] for c in gg.configs()]
+    assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather" in names
+    assert "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_clamp_gather" in names
+
+
+def _routed(num_tokens, num_experts, top_k, routing, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
+    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
+    x = torch.randn(num_tokens, hidden, generator=g).cuda().to(torch.bfloat16)
+    return x, meta
+
+
+def _nan(rows, cols):
+    return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@needs_hopper
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert", "unused_slots"])
+@pytest.mark.parametrize("num_tokens,hidden,n", [(777, 2048, 1536), (300, 1000, 384), (1, 128, 256)])
+def test_gather_nt_bit_identical(routing, num_tokens, hidden, n):
+    from deep_gemm_ext import jit_kernels as jk
+    num_experts, top_k = 16, 4
+    x, meta = _routed(num_tokens, num_experts, top_k, routing, hidden, seed=num_tokens + n)
+    b = (torch.randn(num_experts, n, hidden, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
+    rows = meta.num_pool_rows
+    x_pool = jk.gather_rows(x, meta.row_to_slot, top_k)
+    want = gg.m_grouped_bf16_gemm_nt_contiguous(x_pool, b, meta.starts, meta.ends, _nan(rows, n))
+    got = gg.m_grouped_bf16_gemm_nt_contiguous(x, b, meta.starts, meta.ends, _nan(rows, n),
+                                               gather=gg.Gather(meta.row_to_slot, top_k))
+    used = meta.ends[-1].item()
+    assert torch.isnan(got[used:].float()).all(), "rows past the last expert were written"
+    assert not torch.isnan(got[:used].float()).any(), "owned rows left unwritten"
+    assert torch.equal(got[:used], want[:used]), "gathered GEMM differs from gather + GEMM"
+    # And against fp32 torch: padding rows are zero rows of the pool.
+    ref = torch.zeros(used, n, device="cuda")
+    for e, (s, t) in enumerate(zip(meta.starts.tolist(), meta.ends.tolist())):
+        if t > s:
+            ref[s:t] = x_pool[s:t].float() @ b[e].float().T
+    err = ((got[:used].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    assert err < 5e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize("clamp", [None, 3.0])
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
+def test_gather_swiglu_bit_identical(clamp, routing):
+    from deep_gemm_ext import jit_kernels as jk
+    num_experts, top_k, hidden, inter = 8, 4, 1024, 256
+    x, meta = _routed(513, num_experts, top_k, routing, hidden, seed=7)
+    l1 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
+    rows = meta.num_pool_rows
+    x_pool = jk.gather_rows(x, meta.row_to_slot, top_k)
+    h0, a0 = gg.m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, meta.starts, meta.ends, clamp,
+                                              h_out=_nan(rows, 2 * inter), act_out=_nan(rows, inter))
+    h1, a1 = gg.m_grouped_bf16_gemm_nt_swiglu(x, l1, meta.starts, meta.ends, clamp, h_out=_nan(rows, 2 * inter),
+                                              act_out=_nan(rows, inter), gather=gg.Gather(meta.row_to_slot, top_k))
+    used = meta.ends[-1].item()
+    assert not torch.isnan(h1[:used].float()).any() and not torch.isnan(a1[:used].float()).any()
+    assert torch.equal(h1[:used], h0[:used]) and torch.equal(a1[:used], a0[:used])
+
+
+@needs_hopper
+def test_gather_out_of_range_slots_and_rows_read_zeros():
+    """Slots past the tokens, and ends past the pool, read zero rows: no out-of-bounds access."""
+    num_experts, top_k, hidden, n = 2, 2, 256, 256
+    x = torch.randn(5, hidden, device="cuda").to(torch.bfloat16)
+    b = (torch.randn(num_experts, n, hidden, device="cuda") / 16).to(torch.bfloat16)
+    row_to_slot = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    row_to_slot[0] = 3          # token 1
+    row_to_slot[1] = 10 * top_k  # token 10 of 5: outside x
+    row_to_slot[128] = 9         # token 4
+    starts = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+    ends = torch.tensor([128, 384], dtype=torch.int32, device="cuda")  # past the 256-row pool
+    out = gg.m_grouped_bf16_gemm_nt_contiguous(x, b, starts, ends, _nan(256, n),
+                                               gather=gg.Gather(row_to_slot, top_k))
+    torch.cuda.synchronize()
+    ref0 = (x[1].float() @ b[0].float().T)
+    ref1 = (x[4].float() @ b[1].float().T)
+    assert torch.allclose(out[0].float(), ref0, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(out[128].float(), ref1, rtol=2e-2, atol=2e-2)
+    assert (out[1] == 0).all() and (out[2:128] == 0).all() and (out[129:] == 0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("fused_epilogues", ["0", "1"])
+@pytest.mark.parametrize("clamp", [None, 4.0])
+def test_layer_fused_gather_bit_identical(fused_epilogues, clamp, monkeypatch):
+    monkeypatch.setenv("DGE_FUSED_EPILOGUES", fused_epilogues)
+    x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="empty_experts", device="cuda", seed=11)
+    dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DGE_FUSED_GATHER", flag)
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, l1, l2)]
+        y = dge.mega_moe_train(leaves[0], idx, leaves[1], leaves[2], leaves[3], activation_clamp=clamp)
+        y.backward(dy)
+        results[flag] = (y.detach(), *[t.grad for t in leaves])
+    for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), results["0"], results["1"]):
+        assert a is not None and b is not None, name
+        assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER=1 differs from 0"
+
+
+@needs_hopper
+def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
+    monkeypatch.setenv("DGE_FUSED_GATHER", "1")
+    x, idx, w, l1, l2 = make_inputs(256, 512, 256, 8, 4, device="cuda", seed=2)
+    outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
+    assert outs[1].shape == (0, 512), "the forward must not build the pool of x"
+    monkeypatch.setenv("DGE_FUSED_GATHER", "0")
+    outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
+    assert outs[1].shape[0] == outs[-1].shape[0], "without the fused gather the pool is saved"
