@@ -70,11 +70,19 @@ def fused_epilogues() -> bool:
     return _flag("DGE_FUSED_EPILOGUES")
 
 
-def fused_gather() -> bool:
+_GATHER_MODES = {"cp_async": "cp_async", "1": "cp_async", "on": "cp_async", "true": "cp_async", "yes": "cp_async",
+                 "tma": "tma", "0": None, "off": None, "false": None, "no": None, "": None}
+
+
+def fused_gather() -> str | None:
     """DGE_FUSED_GATHER: the SM90 L1 forward GEMM gathers its rows of x itself (no dispatched pool
     in the forward; the backward rebuilds it for dW1, so the layer saves x instead of the
-    [T*K, H] pool). Default on; 0 gathers into a pool first and saves it."""
-    return _flag("DGE_FUSED_GATHER", default=True)
+    [T*K, H] pool). ``cp_async`` (default; also 1) or ``tma`` picks the loader; 0 gathers into a
+    pool first and saves it. Returns the loader, or None."""
+    value = os.environ.get("DGE_FUSED_GATHER", "cp_async").strip().lower()
+    if value not in _GATHER_MODES:
+        raise ValueError(f"DGE_FUSED_GATHER={os.environ['DGE_FUSED_GATHER']!r}: expected cp_async, tma, 1 or 0")
+    return _GATHER_MODES[value]
 
 
 def check_ids() -> bool:

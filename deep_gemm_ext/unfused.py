@@ -83,7 +83,7 @@ def fused_swiglu(engine: str, intermediate: int, t: torch.Tensor) -> bool:
 def fused_gather(engine: str) -> bool:
     """The L1 forward GEMM gathers x's rows itself (its gathering prologue): the forward builds no
     dispatched pool of x, and the layer saves x; the backward gathers the pool for dW1 only."""
-    return engine == "sm90" and _env.fused_gather()
+    return engine == "sm90" and _env.fused_gather() is not None
 
 
 #: Rows per expert group: our kernels' M tile; torch._grouped_mm's 16-byte k-grouped starts.
@@ -241,7 +241,7 @@ def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
         return x.new_zeros(x.shape), x_pool, h, meta
     if from_x:
         k = jit_kernels(x)
-        gather = k.Gather(meta.row_to_slot, top_k)
+        gather = k.Gather(meta.row_to_slot, top_k, _env.fused_gather())
         rows = meta.num_pool_rows
         x_pool = x.new_empty(0, x.shape[1], dtype=cdt)
         xc = x.contiguous()

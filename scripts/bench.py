@@ -57,8 +57,10 @@ def implementations(with_loop: bool):
     impls[("ours", "auto", "bf16")] = _ours()
     # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
     impls[("ours", "auto+fused-swiglu", "bf16")] = _ours()
-    # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself.
+    # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself,
+    # and gathering x with 1-row TMA boxes rather than cp.async.
     impls[("ours", "auto+pool-gather", "bf16")] = _ours()
+    impls[("ours", "auto+gather-tma", "bf16")] = _ours()
     impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
         from deep_gemm_ext.backends import deepgemm
@@ -163,7 +165,8 @@ def main():
         rows = {}
         for (impl, backend, recipe), fn in impls.items():
             with _environ({"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
-                           "DGE_FUSED_GATHER": "0" if "pool-gather" in backend else "1"}):
+                           "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
+                                                "tma" if "gather-tma" in backend else "cp_async")}):
                 fwd, fwdbwd, peak, saved = bench_one(fn, inputs, args.reps)
             rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
                               recipe=recipe, fwd_ms=round(fwd, 4),

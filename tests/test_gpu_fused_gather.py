@@ -30,12 +30,27 @@ def test_gather_argument_checks():
         gg.m_grouped_bf16_gemm_nt_contiguous(x, b, se, se, gather=gg.Gather(se.long(), 2))
     with pytest.raises(ValueError, match="gather.top_k=0"):
         gg.m_grouped_bf16_gemm_nt_contiguous(x, b, se, se, gather=gg.Gather(se, 0))
+    with pytest.raises(ValueError, match="gather.mode='ldg'"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(x, b, se, se, gather=gg.Gather(se, 2, "ldg"))
+
+
+def test_fused_gather_env(monkeypatch):
+    from deep_gemm_ext import _env
+    for value, want in (("0", None), ("1", "cp_async"), ("tma", "tma"), ("cp_async", "cp_async")):
+        monkeypatch.setenv("DGE_FUSED_GATHER", value)
+        assert _env.fused_gather() == want
+    monkeypatch.delenv("DGE_FUSED_GATHER")
+    assert _env.fused_gather() == "cp_async"
+    monkeypatch.setenv("DGE_FUSED_GATHER", "maybe")
+    with pytest.raises(ValueError, match="DGE_FUSED_GATHER='maybe'"):
+        _env.fused_gather()
 
 
 def test_gather_configs_exist():
     names = [c[0] for c in gg.configs()]
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather" in names
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_clamp_gather" in names
+    assert "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_clamp_gather_cpasync" in names
 
 
 def _routed(num_tokens, num_experts, top_k, routing, hidden, seed):
@@ -51,9 +66,10 @@ def _nan(rows, cols):
 
 
 @needs_hopper
+@pytest.mark.parametrize("mode", gg.GATHER_MODES)
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert", "unused_slots"])
 @pytest.mark.parametrize("num_tokens,hidden,n", [(777, 2048, 1536), (300, 1000, 384), (1, 128, 256)])
-def test_gather_nt_bit_identical(routing, num_tokens, hidden, n):
+def test_gather_nt_bit_identical(mode, routing, num_tokens, hidden, n):
     from deep_gemm_ext import jit_kernels as jk
     num_experts, top_k = 16, 4
     x, meta = _routed(num_tokens, num_experts, top_k, routing, hidden, seed=num_tokens + n)
@@ -62,7 +78,7 @@ def test_gather_nt_bit_identical(routing, num_tokens, hidden, n):
     x_pool = jk.gather_rows(x, meta.row_to_slot, top_k)
     want = gg.m_grouped_bf16_gemm_nt_contiguous(x_pool, b, meta.starts, meta.ends, _nan(rows, n))
     got = gg.m_grouped_bf16_gemm_nt_contiguous(x, b, meta.starts, meta.ends, _nan(rows, n),
-                                               gather=gg.Gather(meta.row_to_slot, top_k))
+                                               gather=gg.Gather(meta.row_to_slot, top_k, mode))
     used = meta.ends[-1].item()
     assert torch.isnan(got[used:].float()).all(), "rows past the last expert were written"
     assert not torch.isnan(got[:used].float()).any(), "owned rows left unwritten"
@@ -77,9 +93,10 @@ def test_gather_nt_bit_identical(routing, num_tokens, hidden, n):
 
 
 @needs_hopper
+@pytest.mark.parametrize("mode", gg.GATHER_MODES)
 @pytest.mark.parametrize("clamp", [None, 3.0])
 @pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
-def test_gather_swiglu_bit_identical(clamp, routing):
+def test_gather_swiglu_bit_identical(mode, clamp, routing):
     from deep_gemm_ext import jit_kernels as jk
     num_experts, top_k, hidden, inter = 8, 4, 1024, 256
     x, meta = _routed(513, num_experts, top_k, routing, hidden, seed=7)
@@ -89,14 +106,15 @@ def test_gather_swiglu_bit_identical(clamp, routing):
     h0, a0 = gg.m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, meta.starts, meta.ends, clamp,
                                               h_out=_nan(rows, 2 * inter), act_out=_nan(rows, inter))
     h1, a1 = gg.m_grouped_bf16_gemm_nt_swiglu(x, l1, meta.starts, meta.ends, clamp, h_out=_nan(rows, 2 * inter),
-                                              act_out=_nan(rows, inter), gather=gg.Gather(meta.row_to_slot, top_k))
+                                              act_out=_nan(rows, inter), gather=gg.Gather(meta.row_to_slot, top_k, mode))
     used = meta.ends[-1].item()
     assert not torch.isnan(h1[:used].float()).any() and not torch.isnan(a1[:used].float()).any()
     assert torch.equal(h1[:used], h0[:used]) and torch.equal(a1[:used], a0[:used])
 
 
 @needs_hopper
-def test_gather_out_of_range_slots_and_rows_read_zeros():
+@pytest.mark.parametrize("mode", gg.GATHER_MODES)
+def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
     """Slots past the tokens, and ends past the pool, read zero rows: no out-of-bounds access."""
     num_experts, top_k, hidden, n = 2, 2, 256, 256
     x = torch.randn(5, hidden, device="cuda").to(torch.bfloat16)
@@ -108,7 +126,7 @@ def test_gather_out_of_range_slots_and_rows_read_zeros():
     starts = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
     ends = torch.tensor([128, 384], dtype=torch.int32, device="cuda")  # past the 256-row pool
     out = gg.m_grouped_bf16_gemm_nt_contiguous(x, b, starts, ends, _nan(256, n),
-                                               gather=gg.Gather(row_to_slot, top_k))
+                                               gather=gg.Gather(row_to_slot, top_k, mode))
     torch.cuda.synchronize()
     ref0 = (x[1].float() @ b[0].float().T)
     ref1 = (x[4].float() @ b[1].float().T)
@@ -118,27 +136,28 @@ def test_gather_out_of_range_slots_and_rows_read_zeros():
 
 
 @needs_hopper
+@pytest.mark.parametrize("mode", ["cp_async", "tma"])
 @pytest.mark.parametrize("fused_epilogues", ["0", "1"])
 @pytest.mark.parametrize("clamp", [None, 4.0])
-def test_layer_fused_gather_bit_identical(fused_epilogues, clamp, monkeypatch):
+def test_layer_fused_gather_bit_identical(mode, fused_epilogues, clamp, monkeypatch):
     monkeypatch.setenv("DGE_FUSED_EPILOGUES", fused_epilogues)
     x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="empty_experts", device="cuda", seed=11)
     dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
     results = {}
-    for flag in ("0", "1"):
+    for flag in ("0", mode):
         monkeypatch.setenv("DGE_FUSED_GATHER", flag)
         leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, l1, l2)]
         y = dge.mega_moe_train(leaves[0], idx, leaves[1], leaves[2], leaves[3], activation_clamp=clamp)
         y.backward(dy)
         results[flag] = (y.detach(), *[t.grad for t in leaves])
-    for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), results["0"], results["1"]):
+    for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), results["0"], results[mode]):
         assert a is not None and b is not None, name
-        assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER=1 differs from 0"
+        assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER={mode} differs from 0"
 
 
 @needs_hopper
 def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
-    monkeypatch.setenv("DGE_FUSED_GATHER", "1")
+    monkeypatch.setenv("DGE_FUSED_GATHER", "cp_async")
     x, idx, w, l1, l2 = make_inputs(256, 512, 256, 8, 4, device="cuda", seed=2)
     outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
     assert outs[1].shape == (0, 512), "the forward must not build the pool of x"

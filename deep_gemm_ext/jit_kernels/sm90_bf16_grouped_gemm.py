@@ -56,6 +56,11 @@ _EPILOGUES = {
 }
 
 
+#: Gathering prologues: None (A is a pool), 1-row TMA boxes, or cp.async by the producer warpgroup.
+_GATHER_MODES = {None: "None", "tma": "TmaRows", "cp_async": "CpAsync"}
+GATHER_MODES = ("tma", "cp_async")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     layout: str         # "nt", "nn" or "tn"
@@ -63,7 +68,7 @@ class GemmConfig:
     paired_n: bool = False
     epilogue: str = "store"
     clamp: bool = False  # SwiGLU epilogues: compile the activation clamp in
-    gather_a: bool = False  # gathering prologue: A rows come from x through row_to_slot
+    gather_a: str | None = None  # gathering prologue ("tma" or "cp_async"): A rows come from x via row_to_slot
 
     @property
     def stages(self) -> int:
@@ -77,7 +82,7 @@ class GemmConfig:
         if self.epilogue != "store":
             name += f"_{self.epilogue}" + ("_clamp" if self.clamp else "")
         if self.gather_a:
-            name += "_gather"
+            name += "_gather" + ("_cpasync" if self.gather_a == "cp_async" else "")
         return name
 
     def smem_bytes(self) -> int:
@@ -96,16 +101,16 @@ class GemmConfig:
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_bf16_grouped_gemm_kernel<\n"
                 f"    dge::sched::GroupedGemmType::{gemm_type}, dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
                 f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M},\n"
-                f"    {'true' if self.gather_a else 'false'},\n"
+                f"    dge::gemm::GatherA::{_GATHER_MODES[self.gather_a]},\n"
                 f"    {epilogue}, {', '.join(epi_args)}>);\n")
 
 
 def _all_configs() -> list[GemmConfig]:
     configs = [GemmConfig(layout, block_n) for layout in ("nt", "nn", "tn") for block_n in (256, 128)]
     configs.append(GemmConfig("nt", 256, paired_n=True))
-    configs += [GemmConfig("nt", block_n, gather_a=True) for block_n in (256, 128)]
+    configs += [GemmConfig("nt", block_n, gather_a=mode) for block_n in (256, 128) for mode in GATHER_MODES]
     for clamp in (False, True):
-        for gather_a in (False, True):
+        for gather_a in (None, *GATHER_MODES):
             configs.append(GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp,
                                       gather_a=gather_a))
         configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp) for block_n in (256, 128)]
@@ -192,11 +197,13 @@ def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str 
 
 class Gather(NamedTuple):
     """The gathering prologue of an M-grouped GEMM: ``a`` is the token matrix x [T, K] and pool row
-    r reads ``x[row_to_slot[r] // top_k]``, a zero row where ``row_to_slot[r] < 0`` (padding) or
-    where the slot is past the tokens (TMA reads outside x as zeros). ``row_to_slot`` [P] int32 is
-    the routing's map (deep_gemm_ext.routing.RoutingMeta.row_to_slot); P is the pool's row count."""
+    r reads ``x[row_to_slot[r] // top_k]``, a zero row where ``row_to_slot[r] < 0`` (padding).
+    ``row_to_slot`` [P] int32 is the routing's map (deep_gemm_ext.routing.RoutingMeta.row_to_slot);
+    P is the pool's row count; a slot past the tokens also reads a zero row. ``mode``: "cp_async"
+    (the producer warpgroup copies rows with 16-byte cp.async) or "tma" (1-row TMA boxes)."""
     row_to_slot: torch.Tensor
     top_k: int
+    mode: str = "cp_async"
 
 
 def _check_gather(gather: Gather | None) -> None:
@@ -208,6 +215,8 @@ def _check_gather(gather: Gather | None) -> None:
     _check_tensor("gather.row_to_slot", gather.row_to_slot, 1, torch.int32)
     if not isinstance(gather.top_k, int) or gather.top_k < 1:
         raise ValueError(f"gather.top_k={gather.top_k!r}: expected a positive int")
+    if gather.mode not in GATHER_MODES:
+        raise ValueError(f"gather.mode={gather.mode!r}: expected one of {GATHER_MODES}")
 
 
 def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
@@ -230,6 +239,7 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
     kernel.launch(grid, (_THREADS, 1, 1),
                   (starts, ends, ctypes.c_uint32(starts.shape[0]), ctypes.c_uint32(shape_m),
                    ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), row_to_slot, ctypes.c_uint32(top_k),
+                   a if gather is not None else starts, ctypes.c_uint32(a.shape[0] if gather is not None else 0),
                    a_map, b_map, *epi_args),
                   smem=config.smem_bytes())
 
@@ -261,7 +271,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     if gather is not None and a.shape[0] == 0:  # nothing to gather from: every pool row reads zeros
         a = a.new_zeros(1, k)
-    config = GemmConfig(layout, block_n, paired_n, gather_a=gather is not None)
+    config = GemmConfig(layout, block_n, paired_n, gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
@@ -373,7 +383,7 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
     if gather is not None and x_pool.shape[0] == 0:
         x_pool = x_pool.new_zeros(1, hidden)
     config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None,
-                        gather_a=gather is not None)
+                        gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(x_pool):
         b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
         epi_args = (jit.make_tma_2d(h, 64, 64), jit.make_tma_2d(act, 64, 64), ctypes.c_float(c))

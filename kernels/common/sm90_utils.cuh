@@ -27,7 +27,7 @@ struct PipelineState {
 // Producer/consumer ring over kNumStages smem stages: "full" barriers complete when the TMA bytes
 // of a stage have landed, "empty" barriers when every consumer warp of every CTA of the cluster
 // (the multicast loads write into all of them) is done reading it.
-template <uint32_t kNumStages, uint32_t kNumConsumerWarps, uint32_t kClusterSize>
+template <uint32_t kNumStages, uint32_t kNumConsumerWarps, uint32_t kClusterSize, uint32_t kExtraProducerArrivals = 0>
 struct TmaPipeline {
     static constexpr uint32_t kSmemBytes = 2 * kNumStages * sizeof(uint64_t);
     uint32_t full_bars;     // smem address of full[0]; 8 bytes per barrier
@@ -41,7 +41,8 @@ struct TmaPipeline {
     // One thread, before the CTA-wide (or cluster-wide) sync that publishes the barriers.
     __device__ void init() const {
         for (uint32_t s = 0; s < kNumStages; ++s) {
-            ptx::mbarrier_init(full(s), 1);
+            // The producer's arrive.expect_tx, plus any cp.async (noinc) arrivals of the stage.
+            ptx::mbarrier_init(full(s), 1 + kExtraProducerArrivals);
             ptx::mbarrier_init(empty(s), kNumConsumerWarps * kClusterSize);
         }
         ptx::fence_barrier_init();

@@ -11,18 +11,25 @@
 // 128 x BLOCK_N tile, issuing wgmma m64nBLOCK_Nk16 with fp32 accumulators in registers. The
 // epilogue is a template hook that receives the accumulators with the tile's coordinates.
 //
-// Gathering prologue (kGatherA, M-grouped only): A is not a pool but the token matrix x [T, K],
-// and pool row r reads x[row_to_slot[r] / top_k] (a padding row, row_to_slot[r] < 0, reads zeros).
-// The whole first producer warp loads the 128 rows of each A stage as 1-row TMA boxes (64 columns,
-// 128 bytes) placed at row r * 128 of the stage: the 128B swizzle is a function of the shared
-// memory address, so the rows land exactly where one 128-row box would have put them. A row
-// coordinate of -1 is out of bounds, which TMA fills with zeros (and still counts the bytes).
+// Gathering prologue (kGatherA != GatherA::None, M-grouped only): A is not a pool but the token
+// matrix x [T, K], and pool row r reads x[row_to_slot[r] / top_k] (a padding row, row_to_slot[r]
+// < 0, or past x, reads zeros). Two loaders:
+//   GatherA::TmaRows  the first producer warp loads the 128 rows of each A stage as 1-row TMA
+//                     boxes (64 columns, 128 bytes) placed at row r * 128 of the stage: the 128B
+//                     swizzle is a function of the shared memory address, so the rows land where
+//                     one 128-row box would have put them. A row coordinate of -1 is out of bounds,
+//                     which TMA fills with zeros (and still counts the bytes).
+//   GatherA::CpAsync  the whole producer warpgroup copies the rows with 16-byte cp.async (8 threads
+//                     per 128-byte row, coalesced), writing each chunk at its swizzled position;
+//                     each thread's copies arrive on the stage's full barrier (noinc), and the
+//                     consumers fence the generic-proxy writes before wgmma reads them.
 //
 // kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
 // correct but measured 0.6x of kClusterN = 1 on H200 (cause not yet found), so launchers use 1.
 
 #include <cstdint>
 #include <cuda.h>
+#include <cuda_bf16.h>
 
 #include <common/sm90_utils.cuh>
 #include <mma/sm90_desc.cuh>
@@ -48,6 +55,8 @@ constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
 // Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads).
 constexpr uint32_t kEpilogueBarrierBase = 1;
+
+enum class GatherA : uint32_t { None = 0, TmaRows = 1, CpAsync = 2 };
 
 // Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N
 // tiling, chunks [0, BLOCK_N/128) are columns [n0, n0 + BLOCK_N/2) of the first half of N and the
@@ -125,11 +134,12 @@ struct SmemLayout {
 };
 
 template <GroupedGemmType kType, Major kMajorA, Major kMajorB, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, bool kGatherA, class Epilogue, class... EpiArgs>
+          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, GatherA kGatherA, class Epilogue, class... EpiArgs>
 __global__ void __launch_bounds__(kNumThreads, 1)
 sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__ ends, uint32_t num_experts,
                               uint32_t shape_m, uint32_t shape_n, uint32_t shape_k,
                               const int* __restrict__ gather_row_to_slot, uint32_t gather_top_k,
+                              const __nv_bfloat16* __restrict__ gather_x, uint32_t gather_x_rows,
                               const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                               const __grid_constant__ EpiArgs... epi_args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -140,12 +150,14 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
-    static_assert(!kGatherA || (kType == GroupedGemmType::MGroupedContiguous && kClusterN == 1),
+    static_assert(kGatherA == GatherA::None || (kType == GroupedGemmType::MGroupedContiguous && kClusterN == 1),
                   "the gathering prologue is for M-grouped GEMMs without clusters");
+    constexpr bool kGatherTma = kGatherA == GatherA::TmaRows;
+    constexpr bool kGatherCpAsync = kGatherA == GatherA::CpAsync;
 
     using MMA = mma::WgmmaBF16<BLOCK_N, kMajorA, kMajorB>;
     using Layout = SmemLayout<BLOCK_N, kNumStages, Epilogue>;
-    using Pipeline = sm90::TmaPipeline<kNumStages, kNumConsumerWarpgroups * 4, kClusterN>;
+    using Pipeline = sm90::TmaPipeline<kNumStages, kNumConsumerWarpgroups * 4, kClusterN, kGatherCpAsync ? 128 : 0>;
     using Scheduler = sched::GroupedScheduler<kType, BLOCK_M, BLOCK_K, kGroupM, kClusterN>;
     constexpr uint32_t kNumBChunks = BLOCK_N / 64;
 
@@ -176,8 +188,8 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
         // Producer warpgroup: one thread issues every TMA load (with the gathering prologue, the
         // whole warp issues the A rows and its lane 0 everything else).
         ptx::setmaxnreg_dec<kProducerRegisters>();
-        if (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && (kGatherA || ptx::elect_one_sync())) {
-            const bool leader = !kGatherA || lane == 0;
+        if (kGatherCpAsync || (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && (kGatherTma || ptx::elect_one_sync()))) {
+            const bool leader = kGatherCpAsync ? thread_in_wg == 0 : (!kGatherTma || lane == 0);
             if (leader) {
                 ptx::prefetch_tensormap(&tma_a);
                 ptx::prefetch_tensormap(&tma_b);
@@ -186,30 +198,60 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
                                 cta_rank);
             sm90::PipelineState<kNumStages> st;
             sched::GroupedTile tile;
-            constexpr uint32_t kRowsPerLane = kGatherA ? BLOCK_M / 32 : 1;
+            // TmaRows: lane l owns rows l + 32 i. CpAsync: thread t owns rows t / 4 + 32 i and 16-byte
+            // chunks 2 (t % 4) and 2 (t % 4) + 1 of each (one 32-byte sector; a warp reads 8 whole rows).
+            constexpr uint32_t kRowsPerThread = kGatherA != GatherA::None ? BLOCK_M / 32 : 1;
+            const uint32_t first_row = kGatherTma ? lane : thread_in_wg / 4;
+            constexpr uint32_t kRowStep = 32;
+            const uint32_t chunk = 2 * (thread_in_wg % 4);
             while (scheduler.next(tile)) {
                 const TileColumns<BLOCK_N, kPairedN> cols(tile.n_block, shape_n);
-                // Source rows of this lane's pool rows (lane + 32 i of the M block).
-                int32_t src_rows[kRowsPerLane];
-                if constexpr (kGatherA) {
+                // Source rows of this thread's pool rows of the M block.
+                int32_t src_rows[kRowsPerThread];
+                if constexpr (kGatherA != GatherA::None) {
 #pragma unroll
-                    for (uint32_t i = 0; i < kRowsPerLane; ++i) {
+                    for (uint32_t i = 0; i < kRowsPerThread; ++i) {
                         // shape_m is the pool's row count: rows past it (ends past the pool) read zeros.
-                        const uint32_t row = tile.m_block * BLOCK_M + lane + 32 * i;
+                        const uint32_t row = tile.m_block * BLOCK_M + first_row + kRowStep * i;
                         const int slot = row < shape_m ? __ldg(gather_row_to_slot + row) : -1;
-                        src_rows[i] = slot >= 0 ? slot / static_cast<int>(gather_top_k) : -1;
+                        // A slot past x's rows reads zeros too (never out of bounds).
+                        const int src = slot >= 0 ? slot / static_cast<int>(gather_top_k) : -1;
+                        src_rows[i] = src < static_cast<int>(gather_x_rows) ? src : -1;
                     }
                 }
                 for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
                     uint32_t full = pipe.full(st.stage);
-                    if (leader)
-                        full = pipe.producer_acquire(st, Layout::kStageBytes);
                     const uint32_t k0 = kb * BLOCK_K;
-                    if constexpr (kGatherA) {
+                    if constexpr (kGatherCpAsync) {
+                        // Every thread waits for the slot; the leader announces only the B bytes.
+                        ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
+                        if (leader)
+                            ptx::mbarrier_arrive_expect_tx(full, Layout::kBBytes);
+#pragma unroll
+                        for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+                            const uint32_t r = first_row + kRowStep * i;
+                            const int32_t src = src_rows[i];
+#pragma unroll
+                            for (uint32_t c = chunk; c < chunk + 2; ++c) {
+                                const uint32_t col = k0 + c * 8;  // K is a multiple of 8: whole chunks
+                                const bool live = src >= 0 && col < shape_k;
+                                const __nv_bfloat16* ptr =
+                                    gather_x + (live ? static_cast<uint64_t>(src) * shape_k + col : 0);
+                                ptx::cp_async_16(smem_a(st.stage) + r * 128 + ((c ^ (r % 8)) << 4), ptr,
+                                                 live ? 16 : 0);
+                            }
+                        }
+                        ptx::cp_async_mbarrier_arrive_noinc(full);
+                        if (!leader)
+                            continue;
+                    } else if (leader) {
+                        full = pipe.producer_acquire(st, Layout::kStageBytes);
+                    }
+                    if constexpr (kGatherTma) {
                         // The leader has seen the stage freed: only then may the lanes write it.
                         __syncwarp();
 #pragma unroll
-                        for (uint32_t i = 0; i < kRowsPerLane; ++i)
+                        for (uint32_t i = 0; i < kRowsPerThread; ++i)
                             ptx::tma_load_2d(smem_a(st.stage) + (lane + 32 * i) * 128, &tma_a, full,
                                              static_cast<int32_t>(k0), src_rows[i]);
                         if (!leader)
@@ -232,7 +274,7 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
                         else
                             ptx::tma_load_2d(dst, &tma_a, full, col, row);
                     };
-                    if constexpr (kGatherA) {
+                    if constexpr (kGatherA != GatherA::None) {
                         // loaded above
                     } else if constexpr (kClusterN > 1) {
                         load_a(cta_rank, static_cast<uint16_t>((1u << kClusterN) - 1));
@@ -276,6 +318,8 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
             uint32_t prev_stage = 0;
             for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
                 pipe.consumer_wait(st);
+                if constexpr (kGatherCpAsync)
+                    ptx::fence_proxy_async_smem();  // the A rows were written by cp.async (generic proxy)
 #pragma unroll
                 for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
                     ptx::fence_operand(acc[i]);

@@ -18,4 +18,16 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return packed;
 }
 
+// 16-byte global -> shared copy through the LSU (cp.async, L2 only); `src_bytes` < 16 zero-fills
+// the rest (0: a zero chunk, and `src` is not read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Arrives on `bar` once all of this thread's earlier cp.async copies have landed; the barrier's
+// expected count must include this arrival (noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+
 }  // namespace dge::ptx

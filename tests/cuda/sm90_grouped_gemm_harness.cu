@@ -337,7 +337,7 @@ struct Config {
     static const void* kernel() {
         return reinterpret_cast<const void*>(
             &dge::gemm::sm90_bf16_grouped_gemm_kernel<kType, kMajorA, kMajorB, BLOCK_N, kStages, kClusterN_, kPairedN_,
-                                                      kGroupM, false, EpilogueStoreBF16, CUtensorMap>);
+                                                      kGroupM, dge::gemm::GatherA::None, EpilogueStoreBF16, CUtensorMap>);
     }
     static constexpr uint32_t kSmem = SmemLayout<BLOCK_N, kStages, EpilogueStoreBF16>::kTotalBytes;
 
@@ -445,9 +445,11 @@ static void run_case(const Problem& p, int num_reps, bool with_cublas) {
     CUtensorMap tma_a_arg = tma_a, tma_b_arg = tma_b, tma_c_arg = tma_c;
     const int* gather_arg = d_starts;  // no gathering prologue: any valid pointer
     uint32_t gather_top_k_arg = 1;
+    const void* gather_x_arg = d_starts;
+    uint32_t gather_x_rows_arg = 0;
     void* args[] = {&starts_arg, &ends_arg, &experts_arg, const_cast<uint32_t*>(&shape_m), &n_arg,
-                    const_cast<uint32_t*>(&shape_k), &gather_arg, &gather_top_k_arg, &tma_a_arg, &tma_b_arg,
-                    &tma_c_arg};
+                    const_cast<uint32_t*>(&shape_k), &gather_arg, &gather_top_k_arg, &gather_x_arg,
+                    &gather_x_rows_arg, &tma_a_arg, &tma_b_arg, &tma_c_arg};
     auto launch = [&] { CHECK_CUDA(cudaLaunchKernelExC(&cfg, Cfg::kernel(), args)); };
 
     // Correctness: NaN-poisoned C, one run, fp32 reference.
