@@ -279,17 +279,22 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
                  activation_clamp, engine, recipe="bf16", x_pool_is_x=False):
     """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors.
 
-    ``x_pool_is_x``: ``x_pool`` is x [T, H] (the forward gathered in its L1 GEMM); the pool is
-    gathered here, for dW1 only."""
+    ``x_pool_is_x``: ``x_pool`` is x [T, H] (the forward gathered in its L1 GEMM); on SM90 the
+    backward's GEMMs then gather dy's and x's rows themselves, elsewhere the pool is gathered here."""
     top_k = meta.top_k
     cdt = x_pool.dtype
     num_tokens = meta.slot_to_row.shape[0] // top_k
     if num_tokens == 0:  # shapes are static: no sync; also avoids zero-length contractions
         return (torch.zeros_like(dy), torch.zeros_like(topk_weights), torch.zeros_like(l1_weights),
                 torch.zeros_like(l2_weights))
-    dy_pool = gather_rows(dy.to(cdt), meta.row_to_slot, top_k)
     flat_w = topk_weights.reshape(-1)
     row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
+    if x_pool_is_x and engine == "sm90":
+        # The forward gathered x in its L1 GEMM; the backward's GEMMs gather too: dy's rows in the
+        # L2 dgrad (A) and in dW2 (A), x's rows in dW1 (B). No pool of dy or x is built.
+        return _moe_backward_gathering(dy.to(cdt).contiguous(), x_pool.contiguous(), h, meta, row_weight,
+                                       topk_weights, l1_weights, l2_weights, activation_clamp, engine)
+    dy_pool = gather_rows(dy.to(cdt), meta.row_to_slot, top_k)
     if engine == "deep_gemm":
         from .backends import deepgemm
 
@@ -312,8 +317,38 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
             x_pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, top_k)
         d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
         del dh
+    return _finish_backward(dy, dx_pool, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
+
+
+def _finish_backward(dy, dx_pool, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights):
+    """d topk_weights from the per-row <da', act>, dx as the ordered top-k sum of dx_pool."""
+    top_k = meta.top_k
+    num_tokens = meta.slot_to_row.shape[0] // top_k
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
     d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
     dx = combine_rows(dx_pool, meta.slot_to_row, None, top_k, dy.dtype)
     del dx_pool
     return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)
+
+
+def _moe_backward_gathering(dy, x, h, meta, row_weight, topk_weights, l1_weights, l2_weights, activation_clamp,
+                            engine):
+    """The SM90 backward whose GEMMs read dy's and x's rows through row_to_slot (cp.async loader)."""
+    k = jit_kernels(h)
+    gather = k.Gather(meta.row_to_slot, meta.top_k, "cp_async")
+    if dy.data_ptr() % 16:  # cp.async reads 16-byte chunks: a fresh copy is aligned
+        dy = dy.clone()
+    l2 = l2_weights.to(h.dtype)
+    if fused_swiglu(engine, l2_weights.shape[2], h):
+        dh, d_row_weight, act_w = k.m_grouped_bf16_gemm_nn_swiglu_bwd(
+            dy, l2, h, row_weight, meta.starts, meta.ends, activation_clamp, gather=gather)
+    else:
+        da = k.m_grouped_bf16_gemm_nn_contiguous(dy, l2, meta.starts, meta.ends, gather=gather)
+        dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
+        del da
+    d_l2 = k.k_grouped_bf16_gemm_tn_contiguous(dy, act_w, meta.starts, meta.ends, gather_a=gather)  # [E, H, I]
+    del act_w
+    dx_pool = grouped_mm_nn(dh, l1_weights.to(h.dtype), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
+    d_l1 = k.k_grouped_bf16_gemm_tn_contiguous(dh, x, meta.starts, meta.ends, gather_b=gather)  # [E, 2I, H]
+    del dh
+    return _finish_backward(dy, dx_pool, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)

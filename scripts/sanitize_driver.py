@@ -217,6 +217,27 @@ def k_gemm_nt_gather(H, N, mode):
     torch.cuda.synchronize()
 
 
+def k_gemm_backward_gathers(H, N):
+    """The backward's cp.async gathers: dy rows for the L2 dgrad and dW2, x rows for dW1, with a slot
+    past the tokens and an empty expert."""
+    jk = _jit()
+    T, K = 77, 3
+    meta = _gemm_meta(T, 4, K)
+    row_to_slot = meta.row_to_slot.clone()
+    row_to_slot[0] = T * K + 5
+    gather = jk.Gather(row_to_slot, K, "cp_async")
+    rows = meta.num_pool_rows
+    dy = torch.randn(T, H, device="cuda").bfloat16()
+    l2 = torch.randn(4, H, N, device="cuda").bfloat16()
+    jk.m_grouped_bf16_gemm_nn_contiguous(dy, l2, meta.starts, meta.ends, gather=gather)
+    act_w = torch.randn(rows, N, device="cuda").bfloat16()
+    d_l2 = jk.k_grouped_bf16_gemm_tn_contiguous(dy, act_w, meta.starts, meta.ends, gather_a=gather)
+    dh = torch.randn(rows, N, device="cuda").bfloat16()
+    d_l1 = jk.k_grouped_bf16_gemm_tn_contiguous(dh, dy, meta.starts, meta.ends, gather_b=gather)
+    torch.cuda.synchronize()
+    return "" if INITCHECK else _finite(d_l2, d_l1)
+
+
 def k_gemm_nn(H, N):
     fn = _wrapper("m_grouped_bf16_gemm_nn_contiguous")
     meta = _gemm_meta(77, 4, 3)
@@ -297,6 +318,7 @@ def run_kernel_cases():
         for mode in ("tma", "cp_async"):
             record(f"m_grouped nt gather {mode} H={H} N={N}", lambda: k_gemm_nt_gather(H, N, mode))
         record(f"m_grouped nn K={H} N={N}", lambda: k_gemm_nn(H, N))
+        record(f"backward gathers (cp.async) H={H} N={N}", lambda: k_gemm_backward_gathers(H, N))
         record(f"k_grouped tn M={N} N={H}", lambda: k_gemm_wgrad(N, H))
     for H, I, clamp in [(128, 128, None), (128, 256, 0.5)]:
         record(f"nt + SwiGLU epilogue H={H} I={I} clamp={clamp}", lambda: k_gemm_swiglu_fwd(H, I, clamp))

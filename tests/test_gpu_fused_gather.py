@@ -1,4 +1,5 @@
-"""The gathering prologue of the SM90 grouped GEMM core (L1 forward reads x's rows itself).
+"""The gathering prologue of the SM90 grouped GEMM core: the L1 forward reads x's rows, the L2
+dgrad and dW2 read dy's rows, dW1 reads x's rows, all through row_to_slot.
 
 GPU (Hopper): the gathered GEMM is bit-identical to gathering the pool first (gather_rows) and
 running the plain GEMM, for the store and SwiGLU epilogues, on uniform / skewed / empty-expert /
@@ -44,6 +45,14 @@ def test_fused_gather_env(monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER", "maybe")
     with pytest.raises(ValueError, match="DGE_FUSED_GATHER='maybe'"):
         _env.fused_gather()
+
+
+def test_k_grouped_gather_argument_checks():
+    a = torch.zeros(128, 128, dtype=torch.bfloat16)
+    se = torch.zeros(2, dtype=torch.int32)
+    g = gg.Gather(torch.zeros(128, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="at most one gathered operand"):
+        gg.k_grouped_bf16_gemm_tn_contiguous(a, a, se, se, gather_a=g, gather_b=g)
 
 
 def test_gather_configs_exist():
@@ -164,3 +173,100 @@ def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER", "0")
     outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
     assert outs[1].shape[0] == outs[-1].shape[0], "without the fused gather the pool is saved"
+
+
+@needs_hopper
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots", "one_expert"])
+@pytest.mark.parametrize("hidden,n", [(2048, 768), (512, 200)])
+def test_gather_nn_bit_identical(routing, hidden, n):
+    """L2 dgrad with dy's rows gathered: da = dy[token(r)] @ l2[e]."""
+    from deep_gemm_ext import jit_kernels as jk
+    num_experts, top_k = 8, 4
+    dy, meta = _routed(333, num_experts, top_k, routing, hidden, seed=hidden + n)
+    l2 = (torch.randn(num_experts, hidden, n, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
+    rows = meta.num_pool_rows
+    want = gg.m_grouped_bf16_gemm_nn_contiguous(jk.gather_rows(dy, meta.row_to_slot, top_k), l2, meta.starts,
+                                                meta.ends, _nan(rows, n))
+    got = gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, meta.starts, meta.ends, _nan(rows, n),
+                                               gather=gg.Gather(meta.row_to_slot, top_k))
+    used = meta.ends[-1].item()
+    assert not torch.isnan(got[:used].float()).any()
+    assert torch.equal(got[:used], want[:used])
+
+
+@needs_hopper
+@pytest.mark.parametrize("clamp", [None, 2.0])
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts"])
+def test_gather_swiglu_bwd_bit_identical(clamp, routing):
+    from deep_gemm_ext import jit_kernels as jk
+    num_experts, top_k, hidden, inter = 8, 4, 1024, 384
+    dy, meta = _routed(400, num_experts, top_k, routing, hidden, seed=5)
+    rows = meta.num_pool_rows
+    l2 = (torch.randn(num_experts, hidden, inter, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
+    h = torch.randn(rows, 2 * inter, device="cuda").to(torch.bfloat16)
+    row_weight = torch.where(meta.row_to_slot >= 0, 0.25, 0.0).float()
+    want = gg.m_grouped_bf16_gemm_nn_swiglu_bwd(jk.gather_rows(dy, meta.row_to_slot, top_k), l2, h, row_weight,
+                                                meta.starts, meta.ends, clamp)
+    got = gg.m_grouped_bf16_gemm_nn_swiglu_bwd(dy, l2, h, row_weight, meta.starts, meta.ends, clamp,
+                                               gather=gg.Gather(meta.row_to_slot, top_k))
+    used = meta.ends[-1].item()
+    for name, a, b in zip(("dh", "d_row_weight", "act_w"), want, got):
+        assert torch.equal(a[:used], b[:used]), name
+
+
+@needs_hopper
+@pytest.mark.parametrize("side", ["a", "b"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "unused_slots"])
+@pytest.mark.parametrize("m,n", [(768, 2048), (256, 200), (1536, 384)])
+def test_gather_k_grouped_bit_identical(side, routing, m, n):
+    """dW2 = dy_pool^T @ act_w with dy's rows gathered (side a); dW1 = dh^T @ x_pool with x's rows
+    gathered (side b); experts without rows give zeros."""
+    from deep_gemm_ext import jit_kernels as jk
+    num_experts, top_k = 12, 4
+    g = torch.Generator().manual_seed(m + n)
+    idx = make_routing(257, num_experts, top_k, routing, generator=g).cuda()
+    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
+    rows = meta.num_pool_rows
+    gather = gg.Gather(meta.row_to_slot, top_k)
+    if side == "a":  # a = dy [T, M] gathered, b = a pool [P, N]
+        tokens = torch.randn(257, m, generator=g).cuda().to(torch.bfloat16)
+        other = torch.randn(rows, n, generator=g).cuda().to(torch.bfloat16)
+        other[meta.row_to_slot < 0] = 0
+        want = gg.k_grouped_bf16_gemm_tn_contiguous(jk.gather_rows(tokens, meta.row_to_slot, top_k), other,
+                                                    meta.starts, meta.ends)
+        out = torch.full_like(want, float("nan"))
+        got = gg.k_grouped_bf16_gemm_tn_contiguous(tokens, other, meta.starts, meta.ends, out, gather_a=gather)
+    else:  # a = dh pool [P, M], b = x [T, N] gathered
+        other = torch.randn(rows, m, generator=g).cuda().to(torch.bfloat16)
+        tokens = torch.randn(257, n, generator=g).cuda().to(torch.bfloat16)
+        want = gg.k_grouped_bf16_gemm_tn_contiguous(other, jk.gather_rows(tokens, meta.row_to_slot, top_k),
+                                                    meta.starts, meta.ends)
+        out = torch.full_like(want, float("nan"))
+        got = gg.k_grouped_bf16_gemm_tn_contiguous(other, tokens, meta.starts, meta.ends, out, gather_b=gather)
+    assert not torch.isnan(got.float()).any(), "unwritten output (an empty expert must give zeros)"
+    assert torch.equal(got, want)
+
+
+@needs_hopper
+def test_layer_builds_no_pool(monkeypatch):
+    """With the fused gathers no pool of x or dy is built, forward or backward: gather_rows is never
+    called (and the backward's memory peak is lower); without them, twice (x, then dy)."""
+    from deep_gemm_ext import unfused
+    x, idx, w, l1, l2 = make_inputs(4096, 1024, 512, 16, 8, device="cuda", seed=3)
+    dy = torch.randn(4096, 1024, device="cuda").to(torch.bfloat16)
+    calls, peaks = [], {}
+    real = unfused.gather_rows
+    monkeypatch.setattr(unfused, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for flag in ("0", "cp_async"):
+        monkeypatch.setenv("DGE_FUSED_GATHER", flag)
+        calls.clear()
+        y = dge.mega_moe_train(x, idx, w, l1, l2)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.autograd.grad(y, (x, w, l1, l2), dy)
+        torch.cuda.synchronize()
+        peaks[flag] = torch.cuda.max_memory_allocated() - base
+        assert len(calls) == (2 if flag == "0" else 0), (flag, calls)
+        del y
+    assert peaks["cp_async"] < peaks["0"], peaks

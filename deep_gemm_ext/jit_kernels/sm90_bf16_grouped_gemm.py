@@ -69,6 +69,7 @@ class GemmConfig:
     epilogue: str = "store"
     clamp: bool = False  # SwiGLU epilogues: compile the activation clamp in
     gather_a: str | None = None  # gathering prologue ("tma" or "cp_async"): A rows come from x via row_to_slot
+    gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
 
     @property
     def stages(self) -> int:
@@ -83,6 +84,8 @@ class GemmConfig:
             name += f"_{self.epilogue}" + ("_clamp" if self.clamp else "")
         if self.gather_a:
             name += "_gather" + ("_cpasync" if self.gather_a == "cp_async" else "")
+        if self.gather_b:
+            name += "_gatherb_cpasync"
         return name
 
     def smem_bytes(self) -> int:
@@ -101,7 +104,7 @@ class GemmConfig:
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_bf16_grouped_gemm_kernel<\n"
                 f"    dge::sched::GroupedGemmType::{gemm_type}, dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
                 f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M},\n"
-                f"    dge::gemm::GatherA::{_GATHER_MODES[self.gather_a]},\n"
+                f"    dge::gemm::GatherA::{_GATHER_MODES[self.gather_a]}, {'true' if self.gather_b else 'false'},\n"
                 f"    {epilogue}, {', '.join(epi_args)}>);\n")
 
 
@@ -109,11 +112,16 @@ def _all_configs() -> list[GemmConfig]:
     configs = [GemmConfig(layout, block_n) for layout in ("nt", "nn", "tn") for block_n in (256, 128)]
     configs.append(GemmConfig("nt", 256, paired_n=True))
     configs += [GemmConfig("nt", block_n, gather_a=mode) for block_n in (256, 128) for mode in GATHER_MODES]
+    # The backward's gathers (cp.async): dy rows for the L2 dgrad and dW2, x rows for dW1.
+    configs += [GemmConfig("nn", block_n, gather_a="cp_async") for block_n in (256, 128)]
+    configs += [GemmConfig("tn", block_n, gather_a="cp_async") for block_n in (256, 128)]
+    configs += [GemmConfig("tn", block_n, gather_b=True) for block_n in (256, 128)]
     for clamp in (False, True):
         for gather_a in (None, *GATHER_MODES):
             configs.append(GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp,
                                       gather_a=gather_a))
-        configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp) for block_n in (256, 128)]
+        configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp, gather_a=gather_a)
+                    for block_n in (256, 128) for gather_a in (None, "cp_async")]
     return configs
 
 
@@ -229,19 +237,32 @@ def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
 
 
 def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: tuple, starts, ends,
-            shape_m: int, shape_n: int, shape_k: int, max_tiles: int, gather: Gather | None = None) -> None:
+            shape_m: int, shape_n: int, shape_k: int, max_tiles: int, gather: Gather | None = None,
+            gather_src: torch.Tensor | None = None) -> None:
     """``epi_args``: the epilogue's kernel arguments (for the store epilogue, the output's tensor map).
-    With ``gather``, ``a`` is x and each A row is loaded on its own (1-row boxes)."""
+    With ``gather``, ``gather_src`` (default ``a``) is the token matrix whose rows are gathered."""
     kernel = jit.build(config.name, config.code())
-    a_map = jit.make_tma_2d(a, 1, 64) if gather is not None else jit.make_tma_2d(a, 64, 64)
+    a_map = jit.make_tma_2d(a, 1, 64) if config.gather_a == "tma" else jit.make_tma_2d(a, 64, 64)
     grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
-    row_to_slot, top_k = (gather.row_to_slot, gather.top_k) if gather is not None else (starts, 1)
+    if gather is not None:
+        src = a if gather_src is None else gather_src
+        gather_args = (gather.row_to_slot, ctypes.c_uint32(gather.top_k), src, ctypes.c_uint32(src.shape[0]))
+    else:
+        gather_args = (starts, ctypes.c_uint32(1), starts, ctypes.c_uint32(0))
     kernel.launch(grid, (_THREADS, 1, 1),
                   (starts, ends, ctypes.c_uint32(starts.shape[0]), ctypes.c_uint32(shape_m),
-                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), row_to_slot, ctypes.c_uint32(top_k),
-                   a if gather is not None else starts, ctypes.c_uint32(a.shape[0] if gather is not None else 0),
-                   a_map, b_map, *epi_args),
+                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), *gather_args, a_map, b_map, *epi_args),
                   smem=config.smem_bytes())
+
+
+def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather) -> None:
+    """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment."""
+    if gather.mode != "cp_async":
+        raise ValueError(f"{label}: gather.mode={gather.mode!r}, expected 'cp_async' (only the cp.async loader "
+                         f"gathers this operand)")
+    if src.data_ptr() % 16 or src.shape[-1] % 8:
+        raise ValueError(f"{label}: data_ptr() % 16 = {src.data_ptr() % 16}, {src.shape[-1]} columns: expected a "
+                         f"16-byte aligned tensor with a multiple of 8 columns for the cp.async gather")
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None) -> torch.Tensor:
@@ -271,6 +292,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     if gather is not None and a.shape[0] == 0:  # nothing to gather from: every pool row reads zeros
         a = a.new_zeros(1, k)
+    if gather is not None and gather.mode == "cp_async":
+        _check_cp_async_source("a", a, gather)
     config = GemmConfig(layout, block_n, paired_n, gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
@@ -296,26 +319,41 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None) -> torch.Tensor:
+                                      out: torch.Tensor | None = None, *, gather: Gather | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
-    K a multiple of 64.
+    K a multiple of 64. ``gather``: a is the token matrix (e.g. dy [T, H]), gathered by the GEMM.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False)
+    return _m_grouped("nn", a, b, starts, ends, out, False, gather)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None) -> torch.Tensor:
+                                      out: torch.Tensor | None = None, *, gather_a: Gather | None = None,
+                                      gather_b: Gather | None = None) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x for dW1 [E, 2I, H]), M a multiple of 128. Experts
-    without rows get zeros.
+    without rows get zeros. ``gather_a`` / ``gather_b`` (one at most, mode "cp_async"): that operand
+    is a token matrix (dy for dW2, x for dW1) whose rows the GEMM gathers.
     """
+    if gather_a is not None and gather_b is not None:
+        raise ValueError("gather_a and gather_b: expected at most one gathered operand")
+    gather = gather_a if gather_a is not None else gather_b
+    _check_gather(gather)
     num_experts = _check_inputs(a, b, 2, starts, ends)
-    rows, m = a.shape
-    if b.shape[0] != rows:
-        raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like a {tuple(a.shape)}")
+    if gather_a is not None:
+        rows = _pool_rows(gather_a, a)
+        if b.shape[0] != rows:
+            raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like gather_a.row_to_slot")
+    else:
+        rows = a.shape[0]
+        if gather_b is not None and _pool_rows(gather_b, b) != rows:
+            raise ValueError(f"gather_b.row_to_slot: {gather_b.row_to_slot.shape[0]} rows, expected {rows} pool "
+                             f"rows like a {tuple(a.shape)}")
+        if gather_b is None and b.shape[0] != rows:
+            raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like a {tuple(a.shape)}")
+    m = a.shape[1]
     n = b.shape[1]
     out = _check_out(out, (num_experts, m, n), a.device)
     _check_multiple("M", m, _BLOCK_M, "output tiles of 128 rows must not cross experts")
@@ -325,10 +363,20 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     if rows == 0:
         return out.zero_()
     block_n = _pick_block_n(n)
-    config = GemmConfig("tn", block_n)
+    config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
+                        gather_b=gather_b is not None)
+    if gather_a is not None:
+        if a.shape[0] == 0:
+            a = a.new_zeros(1, m)
+        _check_cp_async_source("a", a, gather_a)
+    if gather_b is not None:
+        if b.shape[0] == 0:
+            b = b.new_zeros(1, n)
+        _check_cp_async_source("b", b, gather_b)
     with jit.device_guard(a):
         _launch(config, a, jit.make_tma_2d(b, 64, 64), (jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n),),
-                starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n))
+                starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n), gather,
+                gather_src=b if gather_b is not None else a)
     return out
 
 
@@ -382,6 +430,8 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
         raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
     if gather is not None and x_pool.shape[0] == 0:
         x_pool = x_pool.new_zeros(1, hidden)
+    if gather is not None and gather.mode == "cp_async":
+        _check_cp_async_source("x_pool", x_pool, gather)
     config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None,
                         gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(x_pool):
@@ -396,7 +446,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
                                       row_weight: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       clamp: float | None = None, *, block_n: int | None = None,
                                       dh_out: torch.Tensor | None = None, act_w_out: torch.Tensor | None = None,
-                                      d_row_weight_out: torch.Tensor | None = None,
+                                      d_row_weight_out: torch.Tensor | None = None, gather: Gather | None = None,
                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """L2 dgrad with the SwiGLU backward in the epilogue: ``(dh [P, 2I] bf16, d_row_weight [P] fp32,
     act_w [P, I] bf16)``.
@@ -409,12 +459,15 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     ``act_w = bf16(w * act)``, ``d_row_weight = <da', act>`` summed in fp32 in a fixed order
     (deterministic: per-tile partials, then the tiles in column order). dh and act_w rows no expert
     owns are left unwritten; their d_row_weight is 0. ``block_n`` (128 or 256, default 256 where I
-    allows) is the GEMM's N tile.
+    allows) is the GEMM's N tile. ``gather`` (mode "cp_async"): dy_pool is dy [T, H], gathered by
+    the GEMM.
     """
+    _check_gather(gather)
     num_experts = _check_inputs(dy_pool, l2, 3, starts, ends, names=("dy_pool", "l2"),
                                 extra=(("h", h, 2, torch.bfloat16), ("row_weight", row_weight, 1, torch.float32)))
     c = _check_clamp(clamp)
-    rows, hidden = dy_pool.shape
+    hidden = dy_pool.shape[1]
+    rows = _pool_rows(gather, dy_pool)
     experts_b, hidden_b, inter = l2.shape
     if experts_b != num_experts:
         raise ValueError(f"l2: {experts_b} experts (shape {tuple(l2.shape)}), expected {num_experts} like starts/ends")
@@ -446,13 +499,18 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
         raise ValueError(f"dy_pool: shape {tuple(dy_pool.shape)}: H=0, expected a non-empty contraction")
     num_parts = inter // block_n
     partials = torch.empty(rows, num_parts, dtype=torch.float32, device=device)
-    config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None)
+    if gather is not None:
+        if dy_pool.shape[0] == 0:
+            dy_pool = dy_pool.new_zeros(1, hidden)
+        _check_cp_async_source("dy_pool", dy_pool, gather)
+    config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None,
+                        gather_a="cp_async" if gather is not None else None)
     with jit.device_guard(dy_pool):
         b_map = jit.make_tma_2d(l2, 64, 64, rows=num_experts * hidden, cols=inter)
         epi_args = (jit.make_tma_2d(dh, 64, 64), jit.make_tma_2d(act_w, 64, 64), h, row_weight, partials,
                     ctypes.c_float(c), ctypes.c_uint32(inter))
         _launch(config, dy_pool, b_map, epi_args, starts, ends, rows, inter, hidden,
-                -(-rows // _BLOCK_M) * num_parts)
+                -(-rows // _BLOCK_M) * num_parts, gather)
         grid = (max(1, min(-(-rows // _ROW_WEIGHT_GRAD_THREADS), 8 * jit.num_sms(device))), 1, 1)
         jit.build(*_ROW_WEIGHT_GRAD).launch(
             grid, (_ROW_WEIGHT_GRAD_THREADS, 1, 1),

@@ -120,6 +120,30 @@ struct EpilogueStoreBF16 {
     __device__ __forceinline__ void finish() { store.drain(); }
 };
 
+__device__ __forceinline__ uint32_t thread_in_wg_of(uint32_t thread) { return thread % 128; }
+
+// Which rows and 16-byte chunks of a gathered stage each producer thread copies.
+//   TmaRows (M-grouped A, one warp): lane l loads whole rows l + 32 i (i < 4).
+//   CpAsync, M-grouped A (128 rows x 1 atom of 64 columns): thread t copies chunks 2 (t % 4) and
+//     2 (t % 4) + 1 (one 32-byte sector) of rows t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
+//   CpAsync, K-grouped MN-major operand (64 pool rows x kAtoms atoms of 64 columns): a row has
+//     4 kAtoms sectors; thread t copies sector t % (4 kAtoms) of rows t / (4 kAtoms) + step i.
+template <bool kTmaRows, bool kKGrouped, uint32_t kAtoms>
+struct GatherLayout {
+    static constexpr uint32_t kSectorsPerRow = kKGrouped ? 4 * kAtoms : 4;
+    static constexpr uint32_t kRowStep = kTmaRows ? 32 : 128 / kSectorsPerRow;
+    static constexpr uint32_t kRows = kKGrouped ? 64 : 128;
+    static constexpr uint32_t kRowsPerThread = kRows / kRowStep;
+    static_assert(kRows % kRowStep == 0, "GatherLayout: rows must split evenly over the copiers");
+    uint32_t first_row, sector;
+
+    __device__ explicit GatherLayout(uint32_t thread)
+        : first_row(kTmaRows ? thread % 32 : thread / kSectorsPerRow), sector(kTmaRows ? 0 : thread % kSectorsPerRow) {}
+    __device__ __forceinline__ uint32_t row(uint32_t i) const { return first_row + kRowStep * i; }
+    __device__ __forceinline__ uint32_t atom() const { return sector / 4; }         // 64-column atom
+    __device__ __forceinline__ uint32_t chunk() const { return 2 * (sector % 4); }  // first 16-byte chunk in it
+};
+
 template <uint32_t BLOCK_N, uint32_t kNumStages, class Epilogue>
 struct SmemLayout {
     static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;
@@ -134,7 +158,8 @@ struct SmemLayout {
 };
 
 template <GroupedGemmType kType, Major kMajorA, Major kMajorB, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, GatherA kGatherA, class Epilogue, class... EpiArgs>
+          uint32_t kClusterN, bool kPairedN, uint32_t kGroupM, GatherA kGatherA, bool kGatherB, class Epilogue,
+          class... EpiArgs>
 __global__ void __launch_bounds__(kNumThreads, 1)
 sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__ ends, uint32_t num_experts,
                               uint32_t shape_m, uint32_t shape_n, uint32_t shape_k,
@@ -150,14 +175,29 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
-    static_assert(kGatherA == GatherA::None || (kType == GroupedGemmType::MGroupedContiguous && kClusterN == 1),
-                  "the gathering prologue is for M-grouped GEMMs without clusters");
+    static_assert((kGatherA == GatherA::None && !kGatherB) || kClusterN == 1,
+                  "the gathering prologue is for GEMMs without clusters");
+    static_assert(!kGatherB || (kType == GroupedGemmType::KGroupedContiguous && kGatherA == GatherA::None),
+                  "a gathered B is the MN-major operand of a K-grouped GEMM, and one operand is gathered at most");
+    static_assert(kGatherA != GatherA::TmaRows || kType == GroupedGemmType::MGroupedContiguous,
+                  "the 1-row TMA loader gathers the K-major A of M-grouped GEMMs only");
     constexpr bool kGatherTma = kGatherA == GatherA::TmaRows;
-    constexpr bool kGatherCpAsync = kGatherA == GatherA::CpAsync;
+    constexpr bool kCpAsync = kGatherA == GatherA::CpAsync || kGatherB;
+    constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
+    using Gather = GatherLayout<kGatherTma, kKGrouped, kGatherB ? BLOCK_N / 64 : 2>;
+    const Gather gather(thread_in_wg_of(threadIdx.x));
+    // Source row of a pool row: x's row, or -1 (a zero row) for padding, slots past x and rows past
+    // the pool (`num_rows`: the pool's row count).
+    auto gather_source = [&](uint32_t row, uint32_t num_rows) -> int32_t {
+        const int slot = row < num_rows ? __ldg(gather_row_to_slot + row) : -1;
+        const int src = slot >= 0 ? slot / static_cast<int>(gather_top_k) : -1;
+        return src < static_cast<int>(gather_x_rows) ? src : -1;
+    };
 
     using MMA = mma::WgmmaBF16<BLOCK_N, kMajorA, kMajorB>;
     using Layout = SmemLayout<BLOCK_N, kNumStages, Epilogue>;
-    using Pipeline = sm90::TmaPipeline<kNumStages, kNumConsumerWarpgroups * 4, kClusterN, kGatherCpAsync ? 128 : 0>;
+    using Pipeline = sm90::TmaPipeline<kNumStages, kNumConsumerWarpgroups * 4, kClusterN,
+                                       (kGatherA == GatherA::CpAsync || kGatherB) ? 128 : 0>;
     using Scheduler = sched::GroupedScheduler<kType, BLOCK_M, BLOCK_K, kGroupM, kClusterN>;
     constexpr uint32_t kNumBChunks = BLOCK_N / 64;
 
@@ -185,11 +225,12 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
     if (warpgroup == kNumConsumerWarpgroups) {
-        // Producer warpgroup: one thread issues every TMA load (with the gathering prologue, the
-        // whole warp issues the A rows and its lane 0 everything else).
+        // Producer warpgroup: one thread issues every TMA load. With a gathering prologue the whole
+        // first warp (TmaRows) or the whole warpgroup (CpAsync) loads the gathered operand, and
+        // thread 0 issues the TMA loads of the other one.
         ptx::setmaxnreg_dec<kProducerRegisters>();
-        if (kGatherCpAsync || (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && (kGatherTma || ptx::elect_one_sync()))) {
-            const bool leader = kGatherCpAsync ? thread_in_wg == 0 : (!kGatherTma || lane == 0);
+        if (kCpAsync || (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 && (kGatherTma || ptx::elect_one_sync()))) {
+            const bool leader = kCpAsync ? thread_in_wg == 0 : (!kGatherTma || lane == 0);
             if (leader) {
                 ptx::prefetch_tensormap(&tma_a);
                 ptx::prefetch_tensormap(&tma_b);
@@ -198,47 +239,52 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
                                 cta_rank);
             sm90::PipelineState<kNumStages> st;
             sched::GroupedTile tile;
-            // TmaRows: lane l owns rows l + 32 i. CpAsync: thread t owns rows t / 4 + 32 i and 16-byte
-            // chunks 2 (t % 4) and 2 (t % 4) + 1 of each (one 32-byte sector; a warp reads 8 whole rows).
-            constexpr uint32_t kRowsPerThread = kGatherA != GatherA::None ? BLOCK_M / 32 : 1;
-            const uint32_t first_row = kGatherTma ? lane : thread_in_wg / 4;
-            constexpr uint32_t kRowStep = 32;
-            const uint32_t chunk = 2 * (thread_in_wg % 4);
             while (scheduler.next(tile)) {
                 const TileColumns<BLOCK_N, kPairedN> cols(tile.n_block, shape_n);
-                // Source rows of this thread's pool rows of the M block.
-                int32_t src_rows[kRowsPerThread];
-                if constexpr (kGatherA != GatherA::None) {
+                // M-grouped: the tile's gathered rows are fixed for all its k-blocks.
+                int32_t src_rows[Gather::kRowsPerThread];
+                if constexpr (kGatherA != GatherA::None && !kKGrouped) {
 #pragma unroll
-                    for (uint32_t i = 0; i < kRowsPerThread; ++i) {
-                        // shape_m is the pool's row count: rows past it (ends past the pool) read zeros.
-                        const uint32_t row = tile.m_block * BLOCK_M + first_row + kRowStep * i;
-                        const int slot = row < shape_m ? __ldg(gather_row_to_slot + row) : -1;
-                        // A slot past x's rows reads zeros too (never out of bounds).
-                        const int src = slot >= 0 ? slot / static_cast<int>(gather_top_k) : -1;
-                        src_rows[i] = src < static_cast<int>(gather_x_rows) ? src : -1;
-                    }
+                    for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+                        src_rows[i] = gather_source(tile.m_block * BLOCK_M + gather.row(i), shape_m);
                 }
                 for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
                     uint32_t full = pipe.full(st.stage);
                     const uint32_t k0 = kb * BLOCK_K;
-                    if constexpr (kGatherCpAsync) {
-                        // Every thread waits for the slot; the leader announces only the B bytes.
+                    if constexpr (kCpAsync) {
+                        // K-grouped: this k-block's 64 pool rows (looked up before the wait).
+                        if constexpr (kKGrouped) {
+#pragma unroll
+                            for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+                                src_rows[i] = gather_source(tile.k_row + k0 + gather.row(i), shape_k);
+                        }
+                        // Every copier waits for the slot; the leader announces the TMA bytes only.
                         ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
                         if (leader)
-                            ptx::mbarrier_arrive_expect_tx(full, Layout::kBBytes);
+                            ptx::mbarrier_arrive_expect_tx(full, kGatherB ? Layout::kABytes : Layout::kBBytes);
+                        const uint32_t dst = kGatherB ? smem_b(st.stage) : smem_a(st.stage);
 #pragma unroll
-                        for (uint32_t i = 0; i < kRowsPerThread; ++i) {
-                            const uint32_t r = first_row + kRowStep * i;
-                            const int32_t src = src_rows[i];
+                        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i) {
+                            const uint32_t r = gather.row(i);
+                            uint32_t col0, width;
+                            if constexpr (!kKGrouped) {
+                                col0 = k0;                                        // K-major A
+                                width = shape_k;
+                            } else if constexpr (kGatherB) {
+                                col0 = cols.col(gather.atom());                   // MN-major B
+                                width = shape_n;
+                            } else {
+                                col0 = tile.m_block * BLOCK_M + gather.atom() * 64;  // MN-major A
+                                width = shape_m;
+                            }
 #pragma unroll
-                            for (uint32_t c = chunk; c < chunk + 2; ++c) {
-                                const uint32_t col = k0 + c * 8;  // K is a multiple of 8: whole chunks
-                                const bool live = src >= 0 && col < shape_k;
+                            for (uint32_t c = gather.chunk(); c < gather.chunk() + 2; ++c) {
+                                const uint32_t col = col0 + c * 8;  // rows are multiples of 8 columns
+                                const bool live = src_rows[i] >= 0 && col < width;
                                 const __nv_bfloat16* ptr =
-                                    gather_x + (live ? static_cast<uint64_t>(src) * shape_k + col : 0);
-                                ptx::cp_async_16(smem_a(st.stage) + r * 128 + ((c ^ (r % 8)) << 4), ptr,
-                                                 live ? 16 : 0);
+                                    gather_x + (live ? static_cast<uint64_t>(src_rows[i]) * width + col : 0);
+                                ptx::cp_async_16(dst + gather.atom() * mma::kAtomBytes + r * 128 + ((c ^ (r % 8)) << 4),
+                                                 ptr, live ? 16 : 0);
                             }
                         }
                         ptx::cp_async_mbarrier_arrive_noinc(full);
@@ -251,8 +297,8 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
                         // The leader has seen the stage freed: only then may the lanes write it.
                         __syncwarp();
 #pragma unroll
-                        for (uint32_t i = 0; i < kRowsPerThread; ++i)
-                            ptx::tma_load_2d(smem_a(st.stage) + (lane + 32 * i) * 128, &tma_a, full,
+                        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+                            ptx::tma_load_2d(smem_a(st.stage) + gather.row(i) * 128, &tma_a, full,
                                              static_cast<int32_t>(k0), src_rows[i]);
                         if (!leader)
                             continue;
@@ -282,20 +328,22 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
                         load_a(0, 0);
                         load_a(1, 0);
                     }
+                    if constexpr (!kGatherB) {
 #pragma unroll
-                    for (uint32_t j = 0; j < kNumBChunks; ++j) {
-                        int32_t col, row;
-                        if constexpr (kMajorB == Major::K) {
-                            col = static_cast<int32_t>(k0);
-                            row = static_cast<int32_t>(tile.expert * shape_n + cols.col(j));
-                        } else if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
-                            col = static_cast<int32_t>(cols.col(j));
-                            row = static_cast<int32_t>(tile.expert * shape_k + k0);
-                        } else {
-                            col = static_cast<int32_t>(cols.col(j));
-                            row = static_cast<int32_t>(tile.k_row + k0);
+                        for (uint32_t j = 0; j < kNumBChunks; ++j) {
+                            int32_t col, row;
+                            if constexpr (kMajorB == Major::K) {
+                                col = static_cast<int32_t>(k0);
+                                row = static_cast<int32_t>(tile.expert * shape_n + cols.col(j));
+                            } else if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
+                                col = static_cast<int32_t>(cols.col(j));
+                                row = static_cast<int32_t>(tile.expert * shape_k + k0);
+                            } else {
+                                col = static_cast<int32_t>(cols.col(j));
+                                row = static_cast<int32_t>(tile.k_row + k0);
+                            }
+                            ptx::tma_load_2d(smem_b(st.stage) + j * mma::kAtomBytes, &tma_b, full, col, row);
                         }
-                        ptx::tma_load_2d(smem_b(st.stage) + j * mma::kAtomBytes, &tma_b, full, col, row);
                     }
                 }
             }
@@ -318,8 +366,8 @@ sm90_bf16_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restr
             uint32_t prev_stage = 0;
             for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
                 pipe.consumer_wait(st);
-                if constexpr (kGatherCpAsync)
-                    ptx::fence_proxy_async_smem();  // the A rows were written by cp.async (generic proxy)
+                if constexpr (kCpAsync)
+                    ptx::fence_proxy_async_smem();  // the gathered rows were written by cp.async (generic proxy)
 #pragma unroll
                 for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
                     ptx::fence_operand(acc[i]);

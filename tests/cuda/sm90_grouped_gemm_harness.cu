@@ -337,7 +337,8 @@ struct Config {
     static const void* kernel() {
         return reinterpret_cast<const void*>(
             &dge::gemm::sm90_bf16_grouped_gemm_kernel<kType, kMajorA, kMajorB, BLOCK_N, kStages, kClusterN_, kPairedN_,
-                                                      kGroupM, dge::gemm::GatherA::None, EpilogueStoreBF16, CUtensorMap>);
+                                                      kGroupM, dge::gemm::GatherA::None, false, EpilogueStoreBF16,
+                                                      CUtensorMap>);
     }
     static constexpr uint32_t kSmem = SmemLayout<BLOCK_N, kStages, EpilogueStoreBF16>::kTotalBytes;
 
