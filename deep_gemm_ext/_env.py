@@ -85,6 +85,14 @@ def fused_gather() -> str | None:
     return _GATHER_MODES[value]
 
 
+def fused_gather_backward() -> bool:
+    """DGE_FUSED_GATHER_BACKWARD: where the forward gathered x in its L1 GEMM, the backward's GEMMs
+    gather too (dy's rows in the L2 dgrad and dW2, x's rows in dW1) instead of building pools of dy
+    and x. Off by default: correct (bit-identical) but slower on the H200, since each weight-gradient
+    tile re-gathers all of its expert's rows (docs/perf-notes.md, v5)."""
+    return _flag("DGE_FUSED_GATHER_BACKWARD")
+
+
 def check_ids() -> bool:
     """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
     return os.environ.get("DGE_CHECK_IDS", "1") != "0"

@@ -279,8 +279,9 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
                  activation_clamp, engine, recipe="bf16", x_pool_is_x=False):
     """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from the saved tensors.
 
-    ``x_pool_is_x``: ``x_pool`` is x [T, H] (the forward gathered in its L1 GEMM); on SM90 the
-    backward's GEMMs then gather dy's and x's rows themselves, elsewhere the pool is gathered here."""
+    ``x_pool_is_x``: ``x_pool`` is x [T, H] (the forward gathered in its L1 GEMM); the pool is
+    gathered here for dW1, or, with DGE_FUSED_GATHER_BACKWARD on SM90, the backward's GEMMs gather
+    dy's and x's rows themselves."""
     top_k = meta.top_k
     cdt = x_pool.dtype
     num_tokens = meta.slot_to_row.shape[0] // top_k
@@ -289,7 +290,7 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
                 torch.zeros_like(l2_weights))
     flat_w = topk_weights.reshape(-1)
     row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
-    if x_pool_is_x and engine == "sm90":
+    if x_pool_is_x and engine == "sm90" and _env.fused_gather_backward():
         # The forward gathered x in its L1 GEMM; the backward's GEMMs gather too: dy's rows in the
         # L2 dgrad (A) and in dW2 (A), x's rows in dW1 (B). No pool of dy or x is built.
         return _moe_backward_gathering(dy.to(cdt).contiguous(), x_pool.contiguous(), h, meta, row_weight,

@@ -61,6 +61,8 @@ def implementations(with_loop: bool):
     # and gathering x with 1-row TMA boxes rather than cp.async.
     impls[("ours", "auto+pool-gather", "bf16")] = _ours()
     impls[("ours", "auto+gather-tma", "bf16")] = _ours()
+    # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
+    impls[("ours", "auto+gather-backward", "bf16")] = _ours()
     impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
         from deep_gemm_ext.backends import deepgemm
@@ -166,7 +168,8 @@ def main():
         for (impl, backend, recipe), fn in impls.items():
             with _environ({"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
                            "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
-                                                "tma" if "gather-tma" in backend else "cp_async")}):
+                                                "tma" if "gather-tma" in backend else "cp_async"),
+                           "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0"}):
                 fwd, fwdbwd, peak, saved = bench_one(fn, inputs, args.reps)
             rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
                               recipe=recipe, fwd_ms=round(fwd, 4),

@@ -145,11 +145,13 @@ def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
 
 
 @needs_hopper
+@pytest.mark.parametrize("backward", ["0", "1"])
 @pytest.mark.parametrize("mode", ["cp_async", "tma"])
 @pytest.mark.parametrize("fused_epilogues", ["0", "1"])
 @pytest.mark.parametrize("clamp", [None, 4.0])
-def test_layer_fused_gather_bit_identical(mode, fused_epilogues, clamp, monkeypatch):
+def test_layer_fused_gather_bit_identical(backward, mode, fused_epilogues, clamp, monkeypatch):
     monkeypatch.setenv("DGE_FUSED_EPILOGUES", fused_epilogues)
+    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", backward)
     x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="empty_experts", device="cuda", seed=11)
     dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
     results = {}
@@ -249,9 +251,11 @@ def test_gather_k_grouped_bit_identical(side, routing, m, n):
 
 @needs_hopper
 def test_layer_builds_no_pool(monkeypatch):
-    """With the fused gathers no pool of x or dy is built, forward or backward: gather_rows is never
-    called (and the backward's memory peak is lower); without them, twice (x, then dy)."""
+    """With the fused gathers forward and backward (DGE_FUSED_GATHER_BACKWARD=1) no pool of x or dy is
+    built: gather_rows is never called (and the backward's memory peak is lower); without them,
+    twice (x, then dy)."""
     from deep_gemm_ext import unfused
+    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "1")
     x, idx, w, l1, l2 = make_inputs(4096, 1024, 512, 16, 8, device="cuda", seed=3)
     dy = torch.randn(4096, 1024, device="cuda").to(torch.bfloat16)
     calls, peaks = [], {}
@@ -270,3 +274,19 @@ def test_layer_builds_no_pool(monkeypatch):
         assert len(calls) == (2 if flag == "0" else 0), (flag, calls)
         del y
     assert peaks["cp_async"] < peaks["0"], peaks
+
+
+@needs_hopper
+def test_layer_default_gathers_forward_only(monkeypatch):
+    """Default: the L1 forward gathers x itself; the backward builds the pools of dy and x."""
+    from deep_gemm_ext import unfused
+    monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
+    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
+    x, idx, w, l1, l2 = make_inputs(512, 512, 256, 8, 4, device="cuda", seed=4)
+    calls = []
+    real = unfused.gather_rows
+    monkeypatch.setattr(unfused, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    y = dge.mega_moe_train(x, idx, w, l1, l2)
+    assert calls == [], "the forward built a pool of x"
+    y.backward(torch.randn_like(y))
+    assert len(calls) == 2, calls
