@@ -11,18 +11,20 @@
 // 128 x BLOCK_N tile, issuing wgmma m64nBLOCK_Nk16 with fp32 accumulators in registers. The
 // epilogue is a template hook that receives the accumulators with the tile's coordinates.
 //
-// Gathering prologue (kGatherA != GatherA::None, M-grouped only): A is not a pool but the token
-// matrix x [T, K], and pool row r reads x[row_to_slot[r] / top_k] (a padding row, row_to_slot[r]
-// < 0, or past x, reads zeros). Two loaders:
-//   GatherA::TmaRows  the first producer warp loads the 128 rows of each A stage as 1-row TMA
-//                     boxes (64 columns, 128 bytes) placed at row r * 128 of the stage: the 128B
-//                     swizzle is a function of the shared memory address, so the rows land where
-//                     one 128-row box would have put them. A row coordinate of -1 is out of bounds,
-//                     which TMA fills with zeros (and still counts the bytes).
-//   GatherA::CpAsync  the whole producer warpgroup copies the rows with 16-byte cp.async (8 threads
-//                     per 128-byte row, coalesced), writing each chunk at its swizzled position;
-//                     each thread's copies arrive on the stage's full barrier (noinc), and the
-//                     consumers fence the generic-proxy writes before wgmma reads them.
+// Gathering prologue: one operand is not a pool but a token matrix x [T, C] (x for the L1 forward
+// and dW1, dy for the L2 dgrad and dW2), and pool row r reads x[row_to_slot[r] / top_k]; padding
+// rows (row_to_slot[r] < 0), slots past x and rows past the pool read zeros. Loaders:
+//   GatherA::TmaRows  (M-grouped A) the first producer warp loads the 128 rows of each A stage as
+//                     1-row TMA boxes (64 columns, 128 bytes) placed at row r * 128 of the stage:
+//                     the 128B swizzle is a function of the shared memory address, so the rows land
+//                     where one 128-row box would have put them; a row coordinate of -1 is out of
+//                     bounds, which TMA fills with zeros (and still counts the bytes).
+//   GatherA::CpAsync  (M-grouped K-major A, or K-grouped MN-major A) and kGatherB (K-grouped
+//                     MN-major B): the whole producer warpgroup copies the stage with 16-byte
+//                     cp.async, each thread one 32-byte sector of several rows (GatherLayout),
+//                     writing each chunk at its swizzled position; each thread's copies arrive on
+//                     the stage's full barrier (noinc), and the consumers fence the generic-proxy
+//                     writes before wgmma reads them.
 //
 // kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
 // correct but measured 0.6x of kClusterN = 1 on H200 (cause not yet found), so launchers use 1.
