@@ -255,6 +255,19 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
                   smem=config.smem_bytes())
 
 
+def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None, *, cp_async_only: bool = False):
+    """The token matrix a gathering GEMM reads (``src`` unchanged without a gather). An empty one is
+    replaced by one zero row, since every pool row then reads zeros anyway; cp.async (the mode
+    ``cp_async_only`` operands require) needs 16-byte aligned rows."""
+    if gather is None:
+        return src
+    if src.shape[0] == 0:
+        src = src.new_zeros(1, src.shape[1])
+    if cp_async_only or gather.mode == "cp_async":
+        _check_cp_async_source(label, src, gather)
+    return src
+
+
 def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather) -> None:
     """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment."""
     if gather.mode != "cp_async":
@@ -290,10 +303,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         return out
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
-    if gather is not None and a.shape[0] == 0:  # nothing to gather from: every pool row reads zeros
-        a = a.new_zeros(1, k)
-    if gather is not None and gather.mode == "cp_async":
-        _check_cp_async_source("a", a, gather)
+    a = _gather_operand("a", a, gather)
     config = GemmConfig(layout, block_n, paired_n, gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
@@ -365,14 +375,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     block_n = _pick_block_n(n)
     config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
                         gather_b=gather_b is not None)
-    if gather_a is not None:
-        if a.shape[0] == 0:
-            a = a.new_zeros(1, m)
-        _check_cp_async_source("a", a, gather_a)
-    if gather_b is not None:
-        if b.shape[0] == 0:
-            b = b.new_zeros(1, n)
-        _check_cp_async_source("b", b, gather_b)
+    a = _gather_operand("a", a, gather_a, cp_async_only=True)
+    b = _gather_operand("b", b, gather_b, cp_async_only=True)
     with jit.device_guard(a):
         _launch(config, a, jit.make_tma_2d(b, 64, 64), (jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n),),
                 starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n), gather,
@@ -428,10 +432,7 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
         return h, act
     if hidden == 0:
         raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
-    if gather is not None and x_pool.shape[0] == 0:
-        x_pool = x_pool.new_zeros(1, hidden)
-    if gather is not None and gather.mode == "cp_async":
-        _check_cp_async_source("x_pool", x_pool, gather)
+    x_pool = _gather_operand("x_pool", x_pool, gather)
     config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None,
                         gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(x_pool):
@@ -499,10 +500,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
         raise ValueError(f"dy_pool: shape {tuple(dy_pool.shape)}: H=0, expected a non-empty contraction")
     num_parts = inter // block_n
     partials = torch.empty(rows, num_parts, dtype=torch.float32, device=device)
-    if gather is not None:
-        if dy_pool.shape[0] == 0:
-            dy_pool = dy_pool.new_zeros(1, hidden)
-        _check_cp_async_source("dy_pool", dy_pool, gather)
+    dy_pool = _gather_operand("dy_pool", dy_pool, gather, cp_async_only=True)
     config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None,
                         gather_a="cp_async" if gather is not None else None)
     with jit.device_guard(dy_pool):
