@@ -93,6 +93,20 @@ def fused_gather_backward() -> bool:
     return _flag("DGE_FUSED_GATHER_BACKWARD")
 
 
+def fused_combine() -> bool:
+    """DGE_FUSED_COMBINE: on SM90 the L2 forward GEMM and the L1 dgrad GEMM write each pool row into its
+    token's top-k slot (the L2 one times the top-k weight) and an ordered reduction over each token's
+    contiguous top-k rows gives y and dx, instead of a GEMM output in pool order and a gathering
+    combine. Default on; 0 restores the pool-order output."""
+    return _flag("DGE_FUSED_COMBINE", default=True)
+
+
+def overlap_wgrad() -> bool:
+    """DGE_OVERLAP_WGRAD: on SM90 the backward runs the two weight-gradient GEMMs on a side stream,
+    concurrently with the L1 dgrad and the dx combine. Off by default (docs/perf-notes.md, v6)."""
+    return _flag("DGE_OVERLAP_WGRAD")
+
+
 def check_ids() -> bool:
     """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
     return os.environ.get("DGE_CHECK_IDS", "1") != "0"

@@ -86,6 +86,12 @@ def fused_gather(engine: str) -> bool:
     return engine == "sm90" and _env.fused_gather() is not None
 
 
+def fused_combine(engine: str, out_dtype: torch.dtype) -> bool:
+    """The L2 forward and L1 dgrad GEMMs write their rows into top-k slot order (combine epilogue),
+    reduced per token by combine_slots."""
+    return engine == "sm90" and out_dtype == torch.bfloat16 and _env.fused_combine()
+
+
 #: Rows per expert group: our kernels' M tile; torch._grouped_mm's 16-byte k-grouped starts.
 ROUTING_ALIGN = {"sm90": 128, "grouped_mm": 16, "deep_gemm": 128, "loop": 1}
 
@@ -130,6 +136,24 @@ def combine_rows(o: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tens
         # where() rather than a multiply so that an unused slot cannot turn into NaN * 0.
         y += torch.where(valid[:, j, None], contrib * scale[:, None], 0)
     return y.to(out_dtype)
+
+
+def gemm_combine(a: torch.Tensor, w: torch.Tensor, layout: str, meta: RoutingMeta, weights: torch.Tensor | None,
+                 engine: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """y[t] = sum_k weights[t, k] * (a[r] @ op(w[e]))[slot_to_row[t*K + k]]: an M-grouped GEMM over the
+    pool (``layout`` "nt": op(w[e]) = w[e].T, "nn": w[e]) and the ordered top-k combine.
+
+    With ``fused_combine`` the GEMM's combine epilogue writes each row (times its weight) into its
+    slot of a [T*K, N] buffer and combine_slots sums each token's K contiguous rows in k order;
+    otherwise the GEMM writes the pool and combine_rows gathers it."""
+    if fused_combine(engine, out_dtype):
+        k = jit_kernels(a)
+        scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], weights)
+        gemm = k.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else k.m_grouped_bf16_gemm_nn_contiguous
+        o_slots = gemm(a, w, meta.starts, meta.ends, scatter=scatter)
+        return k.combine_slots(o_slots, meta.slot_to_row, meta.top_k)
+    o = grouped_mm_nt(a, w, meta, engine) if layout == "nt" else grouped_mm_nn(a, w, meta, engine)
+    return combine_rows(o, meta.slot_to_row, weights, meta.top_k, out_dtype)
 
 
 def swiglu_forward(h: torch.Tensor, activation_clamp: float | None) -> torch.Tensor:
@@ -254,24 +278,24 @@ def moe_forward(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
         else:
             h = k.m_grouped_bf16_gemm_nt_contiguous(xc, l1, meta.starts, meta.ends, h_out, gather=gather)
             act = swiglu_forward(h, activation_clamp)
-        o = grouped_mm_nt(act, l2_weights.to(cdt), meta, engine)
-        y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
+        y = gemm_combine(act, l2_weights.to(cdt), "nt", meta, topk_weights, engine, x.dtype)
         return y, x_pool, h, meta
     x_pool = gather_rows(x.to(cdt), meta.row_to_slot, top_k)
     if engine == "deep_gemm":
         from .backends import deepgemm
 
         o, h = deepgemm.deepgemm_forward(x_pool, meta, l1_weights, l2_weights, activation_clamp, recipe)
-    elif fused_swiglu(engine, l2_weights.shape[2], x_pool):
+        y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
+        return y, x_pool, h, meta
+    if fused_swiglu(engine, l2_weights.shape[2], x_pool):
         # h is an output of the op: rows no expert owns are zero rather than stale memory.
         h, act = jit_kernels(x_pool).m_grouped_bf16_gemm_nt_swiglu(
             x_pool, l1_weights, meta.starts, meta.ends, activation_clamp,
             h_out=x_pool.new_zeros(x_pool.shape[0], l1_weights.shape[1]))
-        o = grouped_mm_nt(act, l2_weights, meta, engine)
     else:
         h = grouped_mm_nt(x_pool, l1_weights.to(cdt), meta, engine, zero_unowned=True)
-        o = grouped_mm_nt(swiglu_forward(h, activation_clamp), l2_weights.to(cdt), meta, engine)
-    y = combine_rows(o, meta.slot_to_row, topk_weights, top_k, x.dtype)
+        act = swiglu_forward(h, activation_clamp)
+    y = gemm_combine(act, l2_weights.to(cdt), "nt", meta, topk_weights, engine, x.dtype)
     return y, x_pool, h, meta
 
 
@@ -302,33 +326,69 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
         dx_pool, d_row_weight, d_l1, d_l2 = deepgemm.deepgemm_backward(
             dy_pool, x_pool, h, meta, row_weight, l1_weights, l2_weights, activation_clamp, recipe)
         del dy_pool
+        dx = combine_rows(dx_pool, meta.slot_to_row, None, top_k, dy.dtype)
+        return _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
+    if fused_swiglu(engine, l2_weights.shape[2], h):
+        # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, act_w, <da', act>.
+        dh, d_row_weight, act_w = jit_kernels(h).m_grouped_bf16_gemm_nn_swiglu_bwd(
+            dy_pool, l2_weights, h, row_weight, meta.starts, meta.ends, activation_clamp)
     else:
-        if fused_swiglu(engine, l2_weights.shape[2], h):
-            # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, act_w, <da', act>.
-            dh, d_row_weight, act_w = jit_kernels(h).m_grouped_bf16_gemm_nn_swiglu_bwd(
-                dy_pool, l2_weights, h, row_weight, meta.starts, meta.ends, activation_clamp)
-        else:
-            da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
-            dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
-            del da
-        d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
-        del dy_pool, act_w
-        dx_pool = grouped_mm_nn(dh, l1_weights.to(cdt), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
-        if x_pool_is_x:
-            x_pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, top_k)
-        d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
-        del dh
-    return _finish_backward(dy, dx_pool, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
+        da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
+        dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
+        del da
+    l1 = l1_weights.to(cdt)
+    if engine == "sm90" and _env.overlap_wgrad():
+        return _backward_overlapped(dy, dy_pool, act_w, dh, x_pool, x_pool_is_x, d_row_weight, meta, topk_weights,
+                                    l1, l1_weights, l2_weights)
+    d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
+    del dy_pool, act_w
+    dx = gemm_combine(dh, l1, "nn", meta, None, engine, dy.dtype)  # l1[e] is [2I, H]: dh @ l1[e]
+    if x_pool_is_x:
+        x_pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, top_k)
+    d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
+    del dh
+    return _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
 
 
-def _finish_backward(dy, dx_pool, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights):
-    """d topk_weights from the per-row <da', act>, dx as the ordered top-k sum of dx_pool."""
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _backward_overlapped(dy, dy_pool, act_w, dh, x_pool, x_pool_is_x, d_row_weight, meta, topk_weights, l1,
+                         l1_weights, l2_weights):
+    """The rest of the SM90 backward with both weight gradients (and x's pool for dW1) on a side
+    stream, concurrent with the L1 dgrad + dx combine on the current one. The outputs are allocated on
+    the current stream and every input stays referenced until the streams join, so the caching
+    allocator cannot hand their memory to other work while the side stream still uses it."""
+    k = jit_kernels(dh)
+    main = torch.cuda.current_stream(dh.device)
+    side = _side_stream(dh.device)
+    num_experts, hidden, inter = l2_weights.shape
+    d_l2 = dh.new_empty(num_experts, hidden, inter)
+    d_l1 = dh.new_empty(num_experts, 2 * inter, hidden)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        k.k_grouped_bf16_gemm_tn_contiguous(dy_pool, act_w, meta.starts, meta.ends, d_l2)
+        pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, meta.top_k) if x_pool_is_x else x_pool
+        k.k_grouped_bf16_gemm_tn_contiguous(dh, pool, meta.starts, meta.ends, d_l1)
+    dx = gemm_combine(dh, l1, "nn", meta, None, "sm90", dy.dtype)
+    main.wait_stream(side)
+    del dy_pool, act_w, pool, dh
+    return _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
+
+
+def _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights):
+    """d topk_weights from the per-row <da', act>; the gradients in the parameters' dtypes."""
     top_k = meta.top_k
     num_tokens = meta.slot_to_row.shape[0] // top_k
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
     d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
-    dx = combine_rows(dx_pool, meta.slot_to_row, None, top_k, dy.dtype)
-    del dx_pool
     return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)
 
 
@@ -349,7 +409,7 @@ def _moe_backward_gathering(dy, x, h, meta, row_weight, topk_weights, l1_weights
         del da
     d_l2 = k.k_grouped_bf16_gemm_tn_contiguous(dy, act_w, meta.starts, meta.ends, gather_a=gather)  # [E, H, I]
     del act_w
-    dx_pool = grouped_mm_nn(dh, l1_weights.to(h.dtype), meta, engine)  # l1[e] is [2I, H]: dh @ l1[e]
+    dx = gemm_combine(dh, l1_weights.to(h.dtype), "nn", meta, None, engine, dy.dtype)  # l1[e] is [2I, H]
     d_l1 = k.k_grouped_bf16_gemm_tn_contiguous(dh, x, meta.starts, meta.ends, gather_b=gather)  # [E, 2I, H]
     del dh
-    return _finish_backward(dy, dx_pool, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
+    return _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)

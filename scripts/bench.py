@@ -48,7 +48,7 @@ def _environ(env):
                 os.environ[k] = v
 
 
-def implementations(with_loop: bool):
+def implementations(with_loop: bool, all_variants: bool = False):
     """(impl, backend, recipe) -> callable; impl "ours" is this package."""
     impls = {}
     if with_loop:
@@ -60,9 +60,15 @@ def implementations(with_loop: bool):
     # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself,
     # and gathering x with 1-row TMA boxes rather than cp.async.
     impls[("ours", "auto+pool-gather", "bf16")] = _ours()
-    impls[("ours", "auto+gather-tma", "bf16")] = _ours()
-    # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
-    impls[("ours", "auto+gather-backward", "bf16")] = _ours()
+    # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
+    # instead of their combine epilogues writing top-k slot order.
+    impls[("ours", "auto+pool-combine", "bf16")] = _ours()
+    # The weight gradients on a side stream, beside the L1 dgrad and dx combine (DGE_OVERLAP_WGRAD=1).
+    impls[("ours", "auto+overlap-wgrad", "bf16")] = _ours()
+    if all_variants:
+        impls[("ours", "auto+gather-tma", "bf16")] = _ours()
+        # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
+        impls[("ours", "auto+gather-backward", "bf16")] = _ours()
     impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
         from deep_gemm_ext.backends import deepgemm
@@ -146,6 +152,8 @@ def main():
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--loop", action="store_true", help="also time the HF-style loop (slow)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--all-variants", action="store_true",
+                   help="also time the variants measured slower before (1-row TMA gather, gathering backward)")
     p.add_argument("--json", default=None, help="write records here")
     p.add_argument("--png", default=None, help="draw a bar chart here")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="redraw --png from saved records, no GPU")
@@ -158,7 +166,7 @@ def main():
 
     gpu = torch.cuda.get_device_name()
     commit, date = git_commit(), datetime.date.today().isoformat()
-    impls = implementations(args.loop)
+    impls = implementations(args.loop, args.all_variants)
     records = []
     for wl_name in args.workloads:
         wl = WORKLOADS[wl_name]
@@ -169,7 +177,9 @@ def main():
             with _environ({"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
                            "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
                                                 "tma" if "gather-tma" in backend else "cp_async"),
-                           "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0"}):
+                           "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0",
+                           "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
+                           "DGE_OVERLAP_WGRAD": "1" if "overlap-wgrad" in backend else "0"}):
                 fwd, fwdbwd, peak, saved = bench_one(fn, inputs, args.reps)
             rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
                               recipe=recipe, fwd_ms=round(fwd, 4),

@@ -5,9 +5,10 @@ import functools
 
 import torch
 
-from .gather_combine import combine_rows, gather_rows
+from .gather_combine import combine_rows, combine_slots, gather_rows
 from .routing import routing_metadata
-from .sm90_bf16_grouped_gemm import (Gather, k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
+from .sm90_bf16_grouped_gemm import (Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
+                                     m_grouped_bf16_gemm_nn_contiguous,
                                      m_grouped_bf16_gemm_nn_swiglu_bwd, m_grouped_bf16_gemm_nt_contiguous,
                                      m_grouped_bf16_gemm_nt_swiglu, swiglu_epilogue_supported)
 from .swiglu import swiglu_backward, swiglu_forward
@@ -28,7 +29,8 @@ def available(device_index: int) -> bool:
     return True
 
 
-__all__ = ["available", "combine_rows", "gather_rows", "k_grouped_bf16_gemm_tn_contiguous",
+__all__ = ["Gather", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
+           "k_grouped_bf16_gemm_tn_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nn_swiglu_bwd",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu", "routing_metadata",
            "swiglu_backward", "swiglu_epilogue_supported", "swiglu_forward"]

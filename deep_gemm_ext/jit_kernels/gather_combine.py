@@ -22,13 +22,15 @@ def _gather_code(elem_bytes: int) -> str:
                        f"(const void*, const int*, void*, long long, int, int, int);\n")
 
 
-def _combine_code(weighted: bool) -> str:
-    return _INCLUDE + (f"template __global__ void dge::combine_rows_kernel<{'true' if weighted else 'false'}>"
+def _combine_code(weighted: bool, slot_order: bool) -> str:
+    flags = ", ".join("true" if f else "false" for f in (weighted, slot_order))
+    return _INCLUDE + (f"template __global__ void dge::combine_rows_kernel<{flags}>"
                        f"(const __nv_bfloat16*, const int*, const float*, __nv_bfloat16*, long long, int, int, int);\n")
 
 
 _GATHER = {b: (f"gather_rows_{8 * b}bit", _gather_code(b)) for b in sorted(set(_GATHER_DTYPES.values()))}
-_COMBINE = {w: (f"combine_rows_{'weighted' if w else 'unweighted'}", _combine_code(w)) for w in (False, True)}
+_COMBINE = {(w, s): (f"combine_{'slots' if s else 'rows'}_{'weighted' if w else 'unweighted'}", _combine_code(w, s))
+            for s in (False, True) for w in (False, True)}
 
 
 @jit.register("gather_combine")
@@ -87,11 +89,30 @@ def combine_rows(o: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tens
                  top_k: int) -> torch.Tensor:
     """y [T, H] bf16: y[t] = sum over k = 0..K-1 of weights[t, k] * o[slot_to_row[t*K + k]] in fp32,
     skipping unused slots (-1); ``weights=None`` means all ones."""
-    _check_cuda("o", o)
+    return _combine(o, slot_to_row, weights, top_k, slot_order=False)
+
+
+def combine_slots(o_slots: torch.Tensor, slot_to_row: torch.Tensor, top_k: int,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, H] bf16: y[t] = sum over k = 0..K-1 of weights[t, k] * o_slots[t*K + k] in fp32, in k order,
+    for o_slots [T*K, H] already in slot order (a GEMM's combine epilogue, see
+    sm90_bf16_grouped_gemm.Scatter, writes it); slots that slot_to_row marks unused (-1) are skipped,
+    so their rows of o_slots are never read. ``weights=None`` means all ones (the weights were
+    applied in the epilogue)."""
+    return _combine(o_slots, slot_to_row, weights, top_k, slot_order=True)
+
+
+def _combine(o, slot_to_row, weights, top_k, *, slot_order: bool) -> torch.Tensor:
+    label = "o_slots" if slot_order else "o"
+    _check_cuda(label, o)
     if o.dtype != torch.bfloat16 or o.dim() != 2 or o.shape[1] % 8:
-        raise ValueError(f"o: expected a bf16 [P, H] tensor with H divisible by 8, got {o.dtype} {tuple(o.shape)}")
+        raise ValueError(f"{label}: expected a bf16 [rows, H] tensor with H divisible by 8, got {o.dtype} "
+                         f"{tuple(o.shape)}")
     _check_index("slot_to_row", slot_to_row, o.device)
     _check_top_k(top_k, MAX_TOP_K)
+    if slot_order and o.shape[0] != slot_to_row.shape[0]:
+        raise ValueError(f"o_slots: shape {tuple(o.shape)}, expected {slot_to_row.shape[0]} rows (one per slot of "
+                         f"slot_to_row)")
     if slot_to_row.shape[0] % top_k:
         raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots is not a multiple of top_k={top_k}")
     num_tokens = slot_to_row.shape[0] // top_k
@@ -109,7 +130,7 @@ def combine_rows(o: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tens
     # A null pointer stands for "no weights"; the unweighted kernel never reads it.
     weight_arg = weights if weights is not None else ctypes.c_uint64(0)
     with jit.device_guard(o):
-        jit.build(*_COMBINE[weights is not None]).launch(
+        jit.build(*_COMBINE[weights is not None, slot_order]).launch(
             _grid(num_tokens, o.device), (_THREADS, 1, 1),
             (o, slot_to_row, weight_arg, y, ctypes.c_int64(num_tokens), ctypes.c_int32(hidden),
              ctypes.c_int32(top_k), ctypes.c_int32(rows)))

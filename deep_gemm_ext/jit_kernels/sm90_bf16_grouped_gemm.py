@@ -7,6 +7,10 @@ the operand's natural layout (A [M, K], B [K, N]) and ``t`` for its transpose (A
     m_grouped_bf16_gemm_nn_contiguous(a [P, K], b [E, K, N])   out[r] = a[r] @ b[e]     dgrad
     k_grouped_bf16_gemm_tn_contiguous(a [P, M], b [P, N])      out[e] = a_e.T @ b_e     wgrad
 
+With ``scatter=Scatter(row_to_slot, T*K, weights)`` the M-grouped GEMMs write each pool row into its
+token's top-k slot of a [T*K, N] output instead (kernels/impls/sm90_bf16_grouped_gemm_combine.cuh):
+the combine epilogue of the L2 forward (weighted) and the L1 dgrad, reduced by combine_slots.
+
 With the SwiGLU of the layer fused into the epilogue (kernels/impls/sm90_bf16_grouped_gemm_swiglu.cuh):
 
     m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, ...)             -> h, act                L1 forward
@@ -53,6 +57,11 @@ _EPILOGUES = {
     "swiglu_bwd": ("dge::gemm::EpilogueSwigluBackward<{clamp}>", "sm90_bf16_grouped_gemm_swiglu.cuh",
                    ("CUtensorMap", "CUtensorMap", "const __nv_bfloat16*", "const float*", "float*", "float",
                     "uint32_t")),
+    # Combine epilogues: pool rows into their top-k slots of a [T*K, N] output (times the slot's weight).
+    "scatter": ("dge::gemm::EpilogueScatterSlots<false>", "sm90_bf16_grouped_gemm_combine.cuh",
+                ("__nv_bfloat16*", "const int*", "const float*", "uint32_t", "uint32_t", "uint32_t")),
+    "scatter_weighted": ("dge::gemm::EpilogueScatterSlots<true>", "sm90_bf16_grouped_gemm_combine.cuh",
+                         ("__nv_bfloat16*", "const int*", "const float*", "uint32_t", "uint32_t", "uint32_t")),
 }
 
 
@@ -112,6 +121,9 @@ def _all_configs() -> list[GemmConfig]:
     configs = [GemmConfig(layout, block_n) for layout in ("nt", "nn", "tn") for block_n in (256, 128)]
     configs.append(GemmConfig("nt", 256, paired_n=True))
     configs += [GemmConfig("nt", block_n, gather_a=mode) for block_n in (256, 128) for mode in GATHER_MODES]
+    # The combine epilogues of the layer: the L2 forward (weighted) and the L1 dgrad (unweighted).
+    configs += [GemmConfig("nt", block_n, epilogue="scatter_weighted") for block_n in (256, 128)]
+    configs += [GemmConfig("nn", block_n, epilogue="scatter") for block_n in (256, 128)]
     # The backward's gathers (cp.async): dy rows for the L2 dgrad and dW2, x rows for dW1.
     configs += [GemmConfig("nn", block_n, gather_a="cp_async") for block_n in (256, 128)]
     configs += [GemmConfig("tn", block_n, gather_a="cp_async") for block_n in (256, 128)]
@@ -214,6 +226,41 @@ class Gather(NamedTuple):
     mode: str = "cp_async"
 
 
+class Scatter(NamedTuple):
+    """The combine epilogue of an M-grouped GEMM: pool row r of the output is written to row
+    ``row_to_slot[r]`` (its token's top-k slot t*K + k) of a slot-ordered [num_slots, N] output,
+    times ``weights.reshape(-1)[slot]`` in fp32 before the one rounding to bf16 when ``weights``
+    ([T, K] fp32) is given. Padding rows (row_to_slot < 0) and slots past num_slots are not stored,
+    so the output rows of unused slots keep their contents (combine_slots skips them)."""
+    row_to_slot: torch.Tensor
+    num_slots: int
+    weights: torch.Tensor | None = None
+
+
+def _check_scatter(scatter: Scatter | None, rows: int, device: torch.device) -> None:
+    if scatter is None:
+        return
+    if not isinstance(scatter, Scatter):
+        raise TypeError(f"scatter: expected jit_kernels.Scatter(row_to_slot, num_slots, weights), got "
+                        f"{type(scatter).__name__}")
+    _check_tensor("scatter.row_to_slot", scatter.row_to_slot, 1, torch.int32)
+    if scatter.row_to_slot.shape[0] != rows:
+        raise ValueError(f"scatter.row_to_slot: shape {tuple(scatter.row_to_slot.shape)}, expected ({rows},) (one "
+                         f"slot per pool row)")
+    if scatter.row_to_slot.device != device:
+        raise ValueError(f"scatter.row_to_slot: on {scatter.row_to_slot.device}, expected {device}")
+    if isinstance(scatter.num_slots, bool) or not isinstance(scatter.num_slots, int) or scatter.num_slots < 0:
+        raise ValueError(f"scatter.num_slots={scatter.num_slots!r}: expected a non-negative int")
+    if scatter.weights is not None:
+        w = scatter.weights
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.numel() != scatter.num_slots:
+            raise ValueError(f"scatter.weights: expected a float32 tensor of num_slots={scatter.num_slots} elements, "
+                             f"got {w.dtype if isinstance(w, torch.Tensor) else type(w).__name__} "
+                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else ''}")
+        if w.device != device:
+            raise ValueError(f"scatter.weights: on {w.device}, expected {device}")
+
+
 def _check_gather(gather: Gather | None) -> None:
     """Type, dtype and shape of a gather (before the operands' device checks)."""
     if gather is None:
@@ -278,8 +325,11 @@ def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather) -> Non
                          f"16-byte aligned tensor with a multiple of 8 columns for the cp.async gather")
 
 
-def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None) -> torch.Tensor:
+def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
+               scatter: Scatter | None = None) -> torch.Tensor:
     _check_gather(gather)
+    if scatter is not None and paired_n:
+        raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
     num_experts = _check_inputs(a, b, 3, starts, ends)
     k = a.shape[1]
     rows = _pool_rows(gather, a)
@@ -291,7 +341,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         raise ValueError(f"b: {experts_b} experts (shape {tuple(b.shape)}), expected {num_experts} like starts/ends")
     if k_b != k:
         raise ValueError(f"b: shape {tuple(b.shape)} contracts over {k_b}, expected K={k} of a {tuple(a.shape)}")
-    out = _check_out(out, (rows, n), a.device)
+    _check_scatter(scatter, rows, a.device)
+    out = _check_out(out, (rows if scatter is None else scatter.num_slots, n), a.device)
     _check_multiple("K", k, 8, "16-byte rows for TMA")
     _check_multiple("N", n, 8, "16-byte rows for TMA")
     if layout == "nn":
@@ -304,38 +355,50 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     a = _gather_operand("a", a, gather)
-    config = GemmConfig(layout, block_n, paired_n, gather_a=gather.mode if gather is not None else None)
+    epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
+    config = GemmConfig(layout, block_n, paired_n, epilogue=epilogue,
+                        gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
         num_n_blocks = n // block_n if paired_n else -(-n // block_n)
-        _launch(config, a, b_map, (jit.make_tma_2d(out, 64, 64),), starts, ends, rows, n, k,
-                -(-rows // _BLOCK_M) * num_n_blocks, gather)
+        if scatter is None:
+            epi_args = (jit.make_tma_2d(out, 64, 64),)
+        else:
+            # A null pointer stands for "no weights": the unweighted epilogue never reads it.
+            weights = scatter.weights.contiguous() if scatter.weights is not None else ctypes.c_uint64(0)
+            epi_args = (out, scatter.row_to_slot, weights, ctypes.c_uint32(rows), ctypes.c_uint32(scatter.num_slots),
+                        ctypes.c_uint32(n))
+        _launch(config, a, b_map, epi_args, starts, ends, rows, n, k, -(-rows // _BLOCK_M) * num_n_blocks, gather)
     return out
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
-                                      gather: Gather | None = None) -> torch.Tensor:
+                                      gather: Gather | None = None, scatter: Scatter | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
     starts/ends [E] int32 on the device. ``paired_n`` computes the same output through tiles that
     hold columns j and N/2 + j together (the tiling a SwiGLU epilogue needs; N % 256 == 0).
     ``gather``: a is x [T, K] and the GEMM reads pool row r from ``x[row_to_slot[r] // top_k]``
-    (bit-identical to gathering the pool first).
+    (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
+    row r of the product goes to out[row_to_slot[r]] (weighted when scatter.weights is given); see
+    Scatter.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None, *, gather: Gather | None = None) -> torch.Tensor:
+                                      out: torch.Tensor | None = None, *, gather: Gather | None = None,
+                                      scatter: Scatter | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``gather``: a is the token matrix (e.g. dy [T, H]), gathered by the GEMM.
+    ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for combine_slots).
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, gather)
+    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,

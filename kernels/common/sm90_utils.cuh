@@ -73,6 +73,28 @@ struct TmaPipeline {
     }
 };
 
+// Chunk byte offset of 16-byte column `col16` (0..7) of `row` in a 64 x 64 bf16 chunk of 128-byte
+// rows with the 128B swizzle (the layout TMA reads and writes with CU_TENSOR_MAP_SWIZZLE_128B).
+__device__ __forceinline__ uint32_t swizzled_chunk_offset(uint32_t row, uint32_t col16) {
+    return row * 128 + ((col16 ^ (row % 8)) << 4);
+}
+
+// A warpgroup writes its 64 x 64 bf16 chunk into `buf` (1024-byte aligned, 8 KiB) with stmatrix:
+// `packed[i]` = bf16x2 of accumulator pair i (wgmma layout: pairs 2c and 2c+1 are rows l/4 and
+// l/4+8 of warp w's 16 rows, columns 8c + 2(l%4)); row r of the chunk lands at
+// swizzled_chunk_offset(r, .).
+__device__ __forceinline__ void stage_chunk(uint32_t buf, uint32_t thread, const uint32_t (&packed)[16]) {
+    const uint32_t lane = thread % 32, warp = thread / 32;
+    const uint32_t matrix = lane / 8, r = lane % 8;
+    const uint32_t smem_row = warp * 16 + (matrix & 1) * 8 + r;
+#pragma unroll
+    for (uint32_t s = 0; s < 4; ++s) {
+        const uint32_t col16 = 2 * s + (matrix >> 1);
+        ptx::stmatrix_x4(buf + swizzled_chunk_offset(smem_row, col16), packed[4 * s], packed[4 * s + 1],
+                         packed[4 * s + 2], packed[4 * s + 3]);
+    }
+}
+
 // A warpgroup's 64-row slice of an output tile goes out in 64 x 64 bf16 chunks: stmatrix into one
 // of two 8 KiB 128B-swizzled buffers, then one thread issues the TMA store, so the next chunk
 // (or the next tile's mainloop) overlaps the store of this one.
@@ -94,17 +116,7 @@ public:
         if (thread_ == 0)
             ptx::bulk_wait_group_read<1>();  // the store that last read this buffer is done with it
         ptx::named_barrier_sync(barrier_id_, 128);
-
-        const uint32_t lane = thread_ % 32, warp = thread_ / 32;
-        const uint32_t matrix = lane / 8, r = lane % 8;
-        const uint32_t smem_row = warp * 16 + (matrix & 1) * 8 + r;
-        const uint32_t row_addr = buf + smem_row * 128;
-#pragma unroll
-        for (uint32_t s = 0; s < 4; ++s) {
-            const uint32_t col16 = 2 * s + (matrix >> 1);       // 16-byte column within the 128-byte row
-            ptx::stmatrix_x4(row_addr + ((col16 ^ r) << 4), packed[4 * s], packed[4 * s + 1],
-                             packed[4 * s + 2], packed[4 * s + 3]);
-        }
+        stage_chunk(buf, thread_, packed);
         ptx::fence_proxy_async_smem();
         ptx::named_barrier_sync(barrier_id_, 128);
         if (thread_ == 0) {

@@ -3,6 +3,7 @@
 // Dispatch and combine on one GPU, by routing metadata:
 //   gather:  pool[r] = x[row_to_slot[r] / top_k], zeros for padding rows (row_to_slot < 0)
 //   combine: y[t]    = sum_{k = 0..K-1} w[t, k] * o[slot_to_row[t*K + k]], skipping unused slots
+//            (or o[t*K + k] when o is already in slot order)
 // One warp per row, 16-byte vectors across the hidden dimension. The combine sums in k order
 // with explicit round-to-nearest mul/add (no FMA contraction): deterministic, and bit-equal to
 // the same loop in torch. Out-of-range indices read as empty rows, never out of bounds.
@@ -38,7 +39,10 @@ gather_rows_kernel(const void* __restrict__ x, const int* __restrict__ row_to_sl
 
 // top_k <= 32: the token's rows and weights are staged in shared memory, read as broadcasts.
 // kWeighted = false: all weights are one (the multiply is exact, so it is simply skipped).
-template <bool kWeighted>
+// kSlotOrder: o is already in slot order ([T*K, H], written by a GEMM's combine epilogue), so the
+// slot t*K + k is read from row t*K + k of o when slot_to_row marks it used (>= 0), and unused
+// slots, which nothing wrote, are skipped.
+template <bool kWeighted, bool kSlotOrder>
 __global__ void __launch_bounds__(kGatherCombineThreads)
 combine_rows_kernel(const __nv_bfloat16* __restrict__ o, const int* __restrict__ slot_to_row,
                     const float* __restrict__ weights, __nv_bfloat16* __restrict__ y, i64 num_tokens, int hidden,
@@ -55,7 +59,9 @@ combine_rows_kernel(const __nv_bfloat16* __restrict__ o, const int* __restrict__
          token += num_warps) {
         if (lane < top_k) {
             const int row = slot_to_row[token * top_k + lane];
-            rows_of_token[lane] = row < num_pool_rows ? row : -1;
+            // Slot order: o has one row per slot (num_pool_rows = T*K), and the pool row only says "used".
+            const bool used = row >= 0 && (kSlotOrder || row < num_pool_rows);
+            rows_of_token[lane] = !used ? -1 : kSlotOrder ? static_cast<int>(token * top_k + lane) : row;
             weights_of_token[lane] = kWeighted ? weights[token * top_k + lane] : 1.0f;
         }
         __syncwarp();

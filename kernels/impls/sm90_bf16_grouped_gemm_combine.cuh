@@ -1,0 +1,97 @@
+#pragma once
+// Combine epilogue of the SM90 bf16 grouped GEMM core (impls/sm90_bf16_grouped_gemm.cuh): the GEMMs
+// whose output is summed over each token's top-k rows (the L2 forward into y, the L1 dgrad into dx)
+// write every pool row r straight into its token's top-k slot, out[row_to_slot[r]] of a slot-ordered
+// [T*K, N] matrix, so the reduction that follows (combine_rows_kernel<.., kSlotOrder = true>) reads
+// each token's K rows as one contiguous block, in k order, with no float atomics.
+//
+//   EpilogueScatterSlots<false>   out[slot] = bf16(acc)
+//   EpilogueScatterSlots<true>    out[slot] = bf16(acc * weights[slot])    (the fp32 product, rounded once)
+//
+// Padding rows (row_to_slot < 0), rows past the pool and slots past out are not stored. Each
+// 64 x 64 chunk of the warpgroup's slice is staged in swizzled shared memory (stmatrix), then the
+// warpgroup stores it row by row: thread t moves the 16-byte column t % 8 of rows t / 8 + 16 i, so
+// each warp writes four whole 128-byte row segments per instruction.
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include <impls/sm90_bf16_grouped_gemm.cuh>
+
+namespace dge::gemm {
+
+template <bool kWeighted>
+struct EpilogueScatterSlots {
+    static constexpr uint32_t kChunkBytes = sm90::WarpgroupChunkStore::kChunkBytes;
+    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * 2 * kChunkBytes;
+    static constexpr uint32_t kRowsPerThread = 4;  // 64 rows / (128 threads / 8 columns of 16 bytes)
+    uint32_t buffers;
+    uint32_t barrier_id;
+    uint32_t thread;
+    uint32_t slot = 0;  // which of the two staging buffers the next chunk uses
+
+    __device__ EpilogueScatterSlots(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
+        : buffers(smem + warpgroup * 2 * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup), thread(thread_) {}
+
+    // Args: out [num_slots, N] bf16 (16-byte aligned, N % 8 == 0), row_to_slot [num_rows] int32,
+    // weights [num_slots] fp32 (read only when kWeighted), num_rows, num_slots, N.
+    template <uint32_t kNumAccum, uint32_t BLOCK_N>
+    __device__ __forceinline__ void operator()(const float (&acc)[kNumAccum], const EpilogueTile<BLOCK_N, false>& tile,
+                                               __nv_bfloat16* const& out, const int* const& row_to_slot,
+                                               const float* const& weights, const uint32_t& num_rows,
+                                               const uint32_t& num_slots, const uint32_t& shape_n) {
+        auto slot_of = [&](uint32_t row) -> int32_t {
+            const int s = row < num_rows ? __ldg(row_to_slot + row) : -1;
+            return s >= 0 && static_cast<uint32_t>(s) < num_slots ? s : -1;
+        };
+        // Destination slots of the rows this thread stores.
+        const uint32_t col16 = thread % 8;
+        int32_t dst_slot[kRowsPerThread];
+#pragma unroll
+        for (uint32_t i = 0; i < kRowsPerThread; ++i)
+            dst_slot[i] = slot_of(tile.row + thread / 8 + 16 * i);
+        // Weights of the two accumulator rows this thread holds (rows l/4 and l/4 + 8 of its warp's 16).
+        float w[2] = {1.0f, 1.0f};
+        if constexpr (kWeighted) {
+            const uint32_t row0 = tile.row + (thread / 32) * 16 + (thread % 32) / 4;
+#pragma unroll
+            for (uint32_t j = 0; j < 2; ++j) {
+                const int32_t s = slot_of(row0 + 8 * j);
+                w[j] = s >= 0 ? __ldg(weights + s) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
+            uint32_t packed[16];
+#pragma unroll
+            for (uint32_t i = 0; i < 16; ++i) {
+                float lo = acc[chunk * 32 + 2 * i], hi = acc[chunk * 32 + 2 * i + 1];
+                if constexpr (kWeighted) {
+                    lo = __fmul_rn(lo, w[i % 2]);  // pair i is row l/4 (+8 when i is odd)
+                    hi = __fmul_rn(hi, w[i % 2]);
+                }
+                packed[i] = ptx::pack_bf16x2(lo, hi);
+            }
+            // Two buffers: the barrier after staging chunk c also orders every thread's reads of
+            // chunk c - 1, so chunk c + 1 may overwrite that buffer.
+            const uint32_t buf = buffers + slot * kChunkBytes;
+            sm90::stage_chunk(buf, thread, packed);
+            ptx::named_barrier_sync(barrier_id, 128);
+            const uint32_t col = tile.cols.col(chunk) + 8 * col16;
+            if (col < shape_n) {
+#pragma unroll
+                for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+                    if (dst_slot[i] < 0)
+                        continue;
+                    const uint4 v = ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
+                    ptx::st_global_v4(out + static_cast<uint64_t>(dst_slot[i]) * shape_n + col, v);
+                }
+            }
+            slot ^= 1;
+        }
+    }
+
+    __device__ __forceinline__ void finish() {}
+};
+
+}  // namespace dge::gemm
