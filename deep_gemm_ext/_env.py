@@ -103,7 +103,9 @@ def fused_combine() -> bool:
 
 def overlap_wgrad() -> bool:
     """DGE_OVERLAP_WGRAD: on SM90 the backward runs the two weight-gradient GEMMs on a side stream,
-    concurrently with the L1 dgrad and the dx combine. Off by default (docs/perf-notes.md, v6)."""
+    concurrently with the L1 dgrad and the dx combine (not while a CUDA graph is captured: the
+    backward then runs them in order). Off by default: on the H200 it is slower and holds more memory
+    (docs/perf-notes.md, v6)."""
     return _flag("DGE_OVERLAP_WGRAD")
 
 

@@ -337,7 +337,8 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
         dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
         del da
     l1 = l1_weights.to(cdt)
-    if engine == "sm90" and _env.overlap_wgrad():
+    # Not while a CUDA graph is being captured: a forked side stream there breaks the capture.
+    if engine == "sm90" and _env.overlap_wgrad() and not torch.cuda.is_current_stream_capturing():
         return _backward_overlapped(dy, dy_pool, act_w, dh, x_pool, x_pool_is_x, d_row_weight, meta, topk_weights,
                                     l1, l1_weights, l2_weights)
     d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]

@@ -13,7 +13,8 @@ unused-slot routings:
 - combine_slots == combine_rows of the pool, bit for bit (weighted and unweighted);
 - slots past num_slots and rows past the pool are dropped, never stored out of bounds;
 - the layer with DGE_FUSED_COMBINE on / off: dx and the weight gradients bit-identical, y within
-  one bf16 rounding; with DGE_OVERLAP_WGRAD on / off: all bit-identical, also under CUDA graphs.
+  one bf16 rounding; with DGE_OVERLAP_WGRAD on / off: all bit-identical, and a CUDA graph captured
+  with it on (the capture runs in order) replays the overlapped eager results.
 CPU: argument checks, environment flags, configurations.
 """
 from __future__ import annotations
@@ -222,7 +223,8 @@ def test_layer_overlap_wgrad_bit_identical(routing, fused_gather, fused_epilogue
 
 @needs_hopper
 def test_overlap_wgrad_under_cuda_graph(monkeypatch):
-    """Capture and replay with the side stream: the replay equals eager, with NaN-poisoned outputs."""
+    """DGE_OVERLAP_WGRAD=1 under capture (where the backward runs in order): the replay equals the
+    overlapped eager run, with NaN-poisoned outputs."""
     monkeypatch.setenv("DGE_OVERLAP_WGRAD", "1")
     x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="zipf", device="cuda", seed=5)
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, l1, l2)]
