@@ -101,14 +101,6 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
-def overlap_wgrad() -> bool:
-    """DGE_OVERLAP_WGRAD: on SM90 the backward runs the two weight-gradient GEMMs on a side stream,
-    concurrently with the L1 dgrad and the dx combine (not while a CUDA graph is captured: the
-    backward then runs them in order). Off by default: on the H200 it is slower and holds more memory
-    (docs/perf-notes.md, v6)."""
-    return _flag("DGE_OVERLAP_WGRAD")
-
-
 def check_ids() -> bool:
     """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
     return os.environ.get("DGE_CHECK_IDS", "1") != "0"

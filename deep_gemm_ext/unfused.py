@@ -336,51 +336,13 @@ def moe_backward(dy, x_pool, h, meta: RoutingMeta, topk_weights, l1_weights, l2_
         da = grouped_mm_nn(dy_pool, l2_weights.to(cdt), meta, engine)  # l2[e] is [H, I]: dy @ l2[e]
         dh, d_row_weight, act_w = swiglu_backward(h, da, row_weight, activation_clamp)
         del da
-    l1 = l1_weights.to(cdt)
-    # Not while a CUDA graph is being captured: a forked side stream there breaks the capture.
-    if engine == "sm90" and _env.overlap_wgrad() and not torch.cuda.is_current_stream_capturing():
-        return _backward_overlapped(dy, dy_pool, act_w, dh, x_pool, x_pool_is_x, d_row_weight, meta, topk_weights,
-                                    l1, l1_weights, l2_weights)
     d_l2 = grouped_wgrad(dy_pool, act_w, meta, engine)  # [E, H, I]
     del dy_pool, act_w
-    dx = gemm_combine(dh, l1, "nn", meta, None, engine, dy.dtype)  # l1[e] is [2I, H]: dh @ l1[e]
+    dx = gemm_combine(dh, l1_weights.to(cdt), "nn", meta, None, engine, dy.dtype)  # l1[e] is [2I, H]: dh @ l1[e]
     if x_pool_is_x:
         x_pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, top_k)
     d_l1 = grouped_wgrad(dh, x_pool, meta, engine)  # [E, 2I, H]
     del dh
-    return _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-def _backward_overlapped(dy, dy_pool, act_w, dh, x_pool, x_pool_is_x, d_row_weight, meta, topk_weights, l1,
-                         l1_weights, l2_weights):
-    """The rest of the SM90 backward with both weight gradients (and x's pool for dW1) on a side
-    stream, concurrent with the L1 dgrad + dx combine on the current one. The outputs are allocated on
-    the current stream and every input stays referenced until the streams join, so the caching
-    allocator cannot hand their memory to other work while the side stream still uses it."""
-    k = jit_kernels(dh)
-    main = torch.cuda.current_stream(dh.device)
-    side = _side_stream(dh.device)
-    num_experts, hidden, inter = l2_weights.shape
-    d_l2 = dh.new_empty(num_experts, hidden, inter)
-    d_l1 = dh.new_empty(num_experts, 2 * inter, hidden)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        k.k_grouped_bf16_gemm_tn_contiguous(dy_pool, act_w, meta.starts, meta.ends, d_l2)
-        pool = gather_rows(x_pool.contiguous(), meta.row_to_slot, meta.top_k) if x_pool_is_x else x_pool
-        k.k_grouped_bf16_gemm_tn_contiguous(dh, pool, meta.starts, meta.ends, d_l1)
-    dx = gemm_combine(dh, l1, "nn", meta, None, "sm90", dy.dtype)
-    main.wait_stream(side)
-    del dy_pool, act_w, pool, dh
     return _finish_backward(dx, d_row_weight, d_l1, d_l2, meta, topk_weights, l1_weights, l2_weights)
 
 

@@ -63,8 +63,6 @@ def implementations(with_loop: bool, all_variants: bool = False):
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
     impls[("ours", "auto+pool-combine", "bf16")] = _ours()
-    # The weight gradients on a side stream, beside the L1 dgrad and dx combine (DGE_OVERLAP_WGRAD=1).
-    impls[("ours", "auto+overlap-wgrad", "bf16")] = _ours()
     if all_variants:
         impls[("ours", "auto+gather-tma", "bf16")] = _ours()
         # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
@@ -178,8 +176,7 @@ def main():
                            "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
                                                 "tma" if "gather-tma" in backend else "cp_async"),
                            "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0",
-                           "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
-                           "DGE_OVERLAP_WGRAD": "1" if "overlap-wgrad" in backend else "0"}):
+                           "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}):
                 fwd, fwdbwd, peak, saved = bench_one(fn, inputs, args.reps)
             rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
                               recipe=recipe, fwd_ms=round(fwd, 4),

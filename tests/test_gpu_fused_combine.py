@@ -1,4 +1,4 @@
-"""The combine epilogue of the SM90 grouped GEMM core and the backward's stream overlap.
+"""The combine epilogue of the SM90 grouped GEMM core.
 
 The L2 forward GEMM (weighted) and the L1 dgrad GEMM (unweighted) write pool row r into its token's
 top-k slot row_to_slot[r] of a [T*K, N] output, and combine_slots sums each token's K contiguous
@@ -13,8 +13,7 @@ unused-slot routings:
 - combine_slots == combine_rows of the pool, bit for bit (weighted and unweighted);
 - slots past num_slots and rows past the pool are dropped, never stored out of bounds;
 - the layer with DGE_FUSED_COMBINE on / off: dx and the weight gradients bit-identical, y within
-  one bf16 rounding; with DGE_OVERLAP_WGRAD on / off: all bit-identical, and a CUDA graph captured
-  with it on (the capture runs in order) replays the overlapped eager results.
+  one bf16 rounding.
 CPU: argument checks, environment flags, configurations.
 """
 from __future__ import annotations
@@ -35,17 +34,15 @@ ROUTINGS = ["uniform", "zipf", "empty_experts", "one_expert", "unused_slots"]
 # -- CPU ----------------------------------------------------------------------------------------------------
 
 
-def test_env_flags(monkeypatch):
+def test_env_flag(monkeypatch):
     from deep_gemm_ext import _env
     monkeypatch.delenv("DGE_FUSED_COMBINE", raising=False)
-    monkeypatch.delenv("DGE_OVERLAP_WGRAD", raising=False)
-    assert _env.fused_combine() and not _env.overlap_wgrad()
+    assert _env.fused_combine()
     monkeypatch.setenv("DGE_FUSED_COMBINE", "0")
-    monkeypatch.setenv("DGE_OVERLAP_WGRAD", "1")
-    assert not _env.fused_combine() and _env.overlap_wgrad()
-    monkeypatch.setenv("DGE_OVERLAP_WGRAD", "sometimes")
-    with pytest.raises(ValueError, match="DGE_OVERLAP_WGRAD='sometimes'"):
-        _env.overlap_wgrad()
+    assert not _env.fused_combine()
+    monkeypatch.setenv("DGE_FUSED_COMBINE", "sometimes")
+    with pytest.raises(ValueError, match="DGE_FUSED_COMBINE='sometimes'"):
+        _env.fused_combine()
 
 
 def test_combine_configs_exist():
@@ -205,49 +202,5 @@ def test_layer_fused_combine(routing, fused_gather, clamp, monkeypatch):
         assert torch.equal(a, b), f"{name}: DGE_FUSED_COMBINE=1 differs from 0"
     # y: w * bf16(acc) summed vs bf16(w * acc) summed, each term within one bf16 rounding.
     assert not torch.isnan(on[0].float()).any()
-    scale = off[0].float().abs().max().clamp_min(1e-6)
-    assert ((on[0].float() - off[0].float()).abs().max() / scale).item() < 2e-2
-
-
-@needs_hopper
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("fused_gather", ["0", "cp_async"])
-@pytest.mark.parametrize("fused_epilogues", ["0", "1"])
-def test_layer_overlap_wgrad_bit_identical(routing, fused_gather, fused_epilogues, monkeypatch):
-    base = {"DGE_FUSED_GATHER": fused_gather, "DGE_FUSED_EPILOGUES": fused_epilogues}
-    serial = _layer({**base, "DGE_OVERLAP_WGRAD": "0"}, monkeypatch, routing=routing)
-    overlapped = _layer({**base, "DGE_OVERLAP_WGRAD": "1"}, monkeypatch, routing=routing)
-    for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), serial, overlapped):
-        assert torch.equal(a, b), f"{name}: DGE_OVERLAP_WGRAD=1 differs from 0"
-
-
-@needs_hopper
-def test_overlap_wgrad_under_cuda_graph(monkeypatch):
-    """DGE_OVERLAP_WGRAD=1 under capture (where the backward runs in order): the replay equals the
-    overlapped eager run, with NaN-poisoned outputs."""
-    monkeypatch.setenv("DGE_OVERLAP_WGRAD", "1")
-    x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="zipf", device="cuda", seed=5)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, l1, l2)]
-    dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
-
-    def step():
-        y = dge.mega_moe_train(leaves[0], idx, leaves[1], leaves[2], leaves[3])
-        return (y, *torch.autograd.grad(y, leaves, dy))
-
-    eager = [t.clone() for t in step()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for _ in range(2):
-        for t in outs:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), eager, outs):
-            assert torch.equal(a, b), f"{name}: replay differs from eager"
+    diff = (on[0].double() - off[0].double()).norm() / off[0].double().norm().clamp_min(1e-30)
+    assert diff.item() < 5e-3
