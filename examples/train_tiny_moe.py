@@ -4,7 +4,12 @@
 
 Prints the final loss and the median step time of each, and the end-to-end speedup; writes the
 loss curves and step times as JSON and PNG (PNG needs matplotlib); exits 1 when the two smoothed
-loss curves differ by more than ``--tolerance`` (relative) over the last 50 steps.
+loss curves differ by more than allowed over the last 50 steps: ``--tolerance`` (relative), or
+twice the run-to-run noise of the baseline where that is larger. Training is chaotic and the
+baseline's own kernels (embedding backward, scatter_add) sum in a nondeterministic order, so two
+runs of the same baseline from the same seed drift apart by a few percent mid-training; on GPU the
+example measures that drift in the same process with a second baseline model ("grouped_mm
+(repeat)", ``--no-noise-run`` to skip it).
 
     python examples/train_tiny_moe.py                      # GPU defaults: 300 steps, MoE-heavy sizes
     python examples/train_tiny_moe.py --tiny --steps 3     # CPU smoke run
@@ -32,6 +37,8 @@ from deep_gemm_ext import unfused
 from deep_gemm_ext.baselines import grouped_mm_moe
 
 IMPLS = ("ours", "grouped_mm")
+#: The second baseline model that measures the run-to-run noise.
+REPEAT = "grouped_mm (repeat)"
 #: Steps compared at the end, and the window of the moving average that smooths each curve.
 COMPARE_LAST, SMOOTH = 50, 20
 
@@ -198,7 +205,10 @@ def parse_args(argv=None):
     p.add_argument("--aux-coef", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=0.03,
-                   help="max relative gap of the smoothed losses over the last 50 steps")
+                   help="max relative gap of the smoothed losses over the last 50 steps (or twice the "
+                        "baseline's run-to-run gap, where larger)")
+    p.add_argument("--noise-run", action=argparse.BooleanOptionalAction, default=None,
+                   help="also train a second baseline model to measure the run-to-run noise (default: on GPU)")
     p.add_argument("--out-dir", type=Path, default=Path("train_tiny_moe_out"))
     args = p.parse_args(argv)
     if args.tiny:
@@ -209,6 +219,8 @@ def parse_args(argv=None):
         args.steps = 300 if on_gpu else 20
     if args.dtype is None:
         args.dtype = "bfloat16" if on_gpu else "float32"
+    if args.noise_run is None:
+        args.noise_run = on_gpu and args.impl == "both"
     return args
 
 
@@ -232,9 +244,10 @@ def smooth(values, window: int = SMOOTH):
 
 
 class Run:
-    def __init__(self, impl, args, device, dtype):
+    def __init__(self, impl, args, device, dtype, name=None):
         torch.manual_seed(args.seed)  # same initial weights for every impl
         self.impl = impl
+        self.name = name or impl
         self.model = TinyMoEDecoder(args, impl, dtype, device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      weight_decay=0.0, fused=device.type == "cuda")
@@ -273,8 +286,8 @@ def write_plot(path: Path, runs, entropy_rate: float) -> None:
     fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in runs:
         line, = ax_loss.plot(run.losses, alpha=0.25)
-        ax_loss.plot(smooth(run.losses), color=line.get_color(), label=f"{run.impl} (smoothed)")
-        ax_time.plot(run.step_ms, color=line.get_color(), label=f"{run.impl}")
+        ax_loss.plot(smooth(run.losses), color=line.get_color(), label=f"{run.name} (smoothed)")
+        ax_time.plot(run.step_ms, color=line.get_color(), label=run.name)
     ax_loss.axhline(entropy_rate, color="gray", linestyle=":", label="entropy rate of the data")
     ax_loss.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="training loss")
     ax_time.set(xlabel="step", ylabel="ms", title="step time (forward + backward + AdamW)")
@@ -296,6 +309,8 @@ def main(argv=None) -> int:
     chain = MarkovChain(args.vocab, branching=4, seed=args.seed)
     data = chain.sample(args.steps * args.batch, args.seq + 1).to(device)
     runs = [Run(impl, args, device, dtype) for impl in impls]
+    if args.noise_run:
+        runs.append(Run("grouped_mm", args, device, dtype, name=REPEAT))
     tokens_per_step = args.batch * args.seq
     probe = torch.empty(1, args.hidden, device=device, dtype=dtype)
     engine = unfused.gemm_engine(probe, args.hidden, args.intermediate, args.backend)
@@ -310,43 +325,55 @@ def main(argv=None) -> int:
         for run in runs:
             run.step(tokens, lr, args.aux_coef, device)
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  " + "  ".join(f"{r.impl} {r.losses[-1]:.4f} ({r.step_ms[-1]:.1f} ms)"
+            print(f"step {step:4d}  " + "  ".join(f"{r.name} {r.losses[-1]:.4f} ({r.step_ms[-1]:.1f} ms)"
                                                    for r in runs))
 
     skip = min(5, args.steps - 1)  # first steps compile kernels and warm allocators
     summary = {}
     for run in runs:
-        summary[run.impl] = {
+        summary[run.name] = {
             "final_loss_smoothed": smooth(run.losses)[-1],
             "median_step_ms": statistics.median(run.step_ms[skip:]),
             "tokens_per_s": tokens_per_step / (statistics.median(run.step_ms[skip:]) / 1e3),
             "step_peak_gib": max(run.peak_gib) if run.peak_gib else None,
         }
-    print(f"\n{'impl':12s} {'final loss':>10s} {'median step ms':>15s} {'tokens/s':>12s} {'step peak GiB':>14s}")
-    for impl, s in summary.items():
+    print(f"\n{'impl':20s} {'final loss':>10s} {'median step ms':>15s} {'tokens/s':>12s} {'step peak GiB':>14s}")
+    for name, s in summary.items():
         peak = f"{s['step_peak_gib']:.2f}" if s["step_peak_gib"] is not None else "-"
-        print(f"{impl:12s} {s['final_loss_smoothed']:10.4f} {s['median_step_ms']:15.2f} "
+        print(f"{name:20s} {s['final_loss_smoothed']:10.4f} {s['median_step_ms']:15.2f} "
               f"{s['tokens_per_s']:12.0f} {peak:>14s}")
 
     ok = True
-    if len(runs) == 2:
-        ours, base = (smooth(r.losses) for r in runs)
+    curves = {r.name: smooth(r.losses) for r in runs}
+    if "ours" in curves and "grouped_mm" in curves:
         last = min(COMPARE_LAST, args.steps)
-        gap = max(abs(a - b) / abs(b) for a, b in zip(ours[-last:], base[-last:]))
+
+        def max_gap(a, b):
+            return max(abs(x - y) / abs(y) for x, y in zip(a[-last:], b[-last:]))
+
+        gap = max_gap(curves["ours"], curves["grouped_mm"])
+        allowed = args.tolerance
         speedup = summary["grouped_mm"]["median_step_ms"] / summary["ours"]["median_step_ms"]
         summary["max_relative_loss_gap_last_steps"] = gap
         summary["speedup_end_to_end"] = speedup
-        ok = gap < args.tolerance
         print(f"end-to-end speedup (grouped_mm step time / ours): {speedup:.3f}x")
+        if REPEAT in curves:
+            noise = max_gap(curves[REPEAT], curves["grouped_mm"])
+            summary["baseline_run_to_run_gap_last_steps"] = noise
+            allowed = max(allowed, 2 * noise)
+            print(f"baseline run-to-run gap (same seed, nondeterministic kernels) over the last {last} steps: "
+                  f"{100 * noise:.2f}%")
+        ok = gap <= allowed
         print(f"smoothed loss gap over the last {last} steps: {100 * gap:.2f}% "
-              f"(tolerance {100 * args.tolerance:.1f}%): {'OK' if ok else 'FAIL'}")
+              f"(allowed {100 * allowed:.1f}%: tolerance {100 * args.tolerance:.1f}% or twice the run-to-run "
+              f"gap): {'OK' if ok else 'FAIL'}")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "device": str(device), "dtype": str(dtype), "engine": engine, "entropy_rate": chain.entropy_rate,
         "summary": summary,
-        "curves": {r.impl: {"loss": r.losses, "step_ms": r.step_ms} for r in runs},
+        "curves": {r.name: {"loss": r.losses, "step_ms": r.step_ms} for r in runs},
     }
     json_path = args.out_dir / "train_tiny_moe.json"
     json_path.write_text(json.dumps(record, indent=1))
