@@ -3,20 +3,20 @@
 ``deep_gemm_ext.baselines.grouped_mm_moe`` ("grouped_mm"), with the same weights, seed and batches.
 
 Prints the final loss and the median step time of each, and the end-to-end speedup; writes the
-loss curves and step times as JSON and PNG (PNG needs matplotlib); exits 1 when the two smoothed
-loss curves differ by more than allowed over the last 50 steps: ``--tolerance`` (relative), or
-twice the run-to-run noise of the baseline where that is larger. Training is chaotic and the
-baseline's own kernels (embedding backward, scatter_add) sum in a nondeterministic order, so two
-runs of the same baseline from the same seed drift apart by a few percent mid-training; on GPU the
-example measures that drift in the same process with a second baseline model ("grouped_mm
-(repeat)", ``--no-noise-run`` to skip it).
+loss curves and step times as JSON and PNG (PNG needs matplotlib). Exits 1 when the curves
+disagree:
 
-    python examples/train_tiny_moe.py                      # GPU defaults: 300 steps, MoE-heavy sizes
-    python examples/train_tiny_moe.py --tiny --steps 3     # CPU smoke run
-
-The two runs step in turn (one step of each, then the next), so both see the same GPU state.
-Routers produce valid expert ids, so ``DGE_CHECK_IDS=0`` (skip the id range check and its host
-sync) is safe here; with the default, ``MegaMoE`` pays one host sync per layer per step.
+- over the first 20 steps the raw losses of ours and the baseline must agree within
+  ``--early-tolerance`` (1%): there the curves reflect the numerics of the two implementations, not
+  yet the chaos of training;
+- at the end, ours' smoothed loss must be no worse than ``--tolerance`` (3%) above the baseline's.
+  Training is chaotic (the time the model takes to leave its early plateau shifts with any
+  perturbation) and the baseline's own kernels (embedding backward, scatter_add) sum in a
+  nondeterministic order, so two runs of the same baseline from the same seed can end several
+  percent apart. On GPU the example therefore trains a second baseline model in the same process
+  ("grouped_mm (repeat)", ``--no-noise-run`` to skip it) and compares ours with the worse of the two
+  baseline runs; without it, with the one baseline run (``--tolerance`` on the smoothed gap over
+  the last 50 steps).
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ IMPLS = ("ours", "grouped_mm")
 REPEAT = "grouped_mm (repeat)"
 #: Steps compared at the end, and the window of the moving average that smooths each curve.
 COMPARE_LAST, SMOOTH = 50, 20
+#: Steps compared at the start, before training's chaos amplifies rounding differences.
+EARLY_STEPS = 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,8 +207,9 @@ def parse_args(argv=None):
     p.add_argument("--aux-coef", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=0.03,
-                   help="max relative gap of the smoothed losses over the last 50 steps (or twice the "
-                        "baseline's run-to-run gap, where larger)")
+                   help="how far ours' final smoothed loss may lie above the baseline's (relative)")
+    p.add_argument("--early-tolerance", type=float, default=0.01,
+                   help="max relative gap of the raw losses over the first 20 steps")
     p.add_argument("--noise-run", action=argparse.BooleanOptionalAction, default=None,
                    help="also train a second baseline model to measure the run-to-run noise (default: on GPU)")
     p.add_argument("--out-dir", type=Path, default=Path("train_tiny_moe_out"))
@@ -345,28 +348,41 @@ def main(argv=None) -> int:
 
     ok = True
     curves = {r.name: smooth(r.losses) for r in runs}
+    raw = {r.name: r.losses for r in runs}
     if "ours" in curves and "grouped_mm" in curves:
         last = min(COMPARE_LAST, args.steps)
+        early_steps = min(EARLY_STEPS, args.steps)
 
-        def max_gap(a, b):
-            return max(abs(x - y) / abs(y) for x, y in zip(a[-last:], b[-last:]))
+        def max_gap(a, b, steps):
+            return max(abs(x - y) / abs(y) for x, y in zip(a[:steps], b[:steps]))
 
-        gap = max_gap(curves["ours"], curves["grouped_mm"])
-        allowed = args.tolerance
         speedup = summary["grouped_mm"]["median_step_ms"] / summary["ours"]["median_step_ms"]
-        summary["max_relative_loss_gap_last_steps"] = gap
         summary["speedup_end_to_end"] = speedup
         print(f"end-to-end speedup (grouped_mm step time / ours): {speedup:.3f}x")
+        early = max_gap(raw["ours"], raw["grouped_mm"], early_steps)
+        summary["max_relative_loss_gap_first_steps"] = early
+        early_ok = early <= args.early_tolerance
+        line = f"loss gap over the first {early_steps} steps: {100 * early:.2f}%"
+        if REPEAT in raw:
+            noise = max_gap(raw[REPEAT], raw["grouped_mm"], early_steps)
+            summary["baseline_repeat_gap_first_steps"] = noise
+            line += f" (the baseline's repeat: {100 * noise:.2f}%)"
+        print(f"{line}, tolerance {100 * args.early_tolerance:.1f}%: {'OK' if early_ok else 'FAIL'}")
+        gap = max(abs(a - b) / abs(b) for a, b in zip(curves["ours"][-last:], curves["grouped_mm"][-last:]))
+        summary["max_relative_loss_gap_last_steps"] = gap
         if REPEAT in curves:
-            noise = max_gap(curves[REPEAT], curves["grouped_mm"])
-            summary["baseline_run_to_run_gap_last_steps"] = noise
-            allowed = max(allowed, 2 * noise)
-            print(f"baseline run-to-run gap (same seed, nondeterministic kernels) over the last {last} steps: "
-                  f"{100 * noise:.2f}%")
-        ok = gap <= allowed
-        print(f"smoothed loss gap over the last {last} steps: {100 * gap:.2f}% "
-              f"(allowed {100 * allowed:.1f}%: tolerance {100 * args.tolerance:.1f}% or twice the run-to-run "
-              f"gap): {'OK' if ok else 'FAIL'}")
+            finals = {name: curves[name][-1] for name in ("ours", "grouped_mm", REPEAT)}
+            worst = max(finals["grouped_mm"], finals[REPEAT])
+            final_ok = finals["ours"] <= (1 + args.tolerance) * worst
+            summary["baseline_repeat_final_gap"] = abs(finals[REPEAT] - finals["grouped_mm"]) / finals["grouped_mm"]
+            print(f"final smoothed loss: ours {finals['ours']:.4f}, baseline {finals['grouped_mm']:.4f} and "
+                  f"{finals[REPEAT]:.4f} (repeat; run-to-run gap {100 * summary['baseline_repeat_final_gap']:.1f}%); "
+                  f"ours within {100 * args.tolerance:.1f}% of the worse baseline run: {'OK' if final_ok else 'FAIL'}")
+        else:
+            final_ok = gap < args.tolerance
+            print(f"smoothed loss gap over the last {last} steps: {100 * gap:.2f}% "
+                  f"(tolerance {100 * args.tolerance:.1f}%): {'OK' if final_ok else 'FAIL'}")
+        ok = early_ok and final_ok
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record = {
