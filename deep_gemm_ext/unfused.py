@@ -5,7 +5,10 @@ One composition serves every engine (``gemm_engine``):
   ``mega_moe_train``, computing in fp32 (fp64 for fp64 inputs) with a loop over experts;
 - on SM90 it runs our JIT grouped GEMMs over the 128-row-aligned pool ("sm90"), or
   ``torch._grouped_mm`` ("grouped_mm"), or upstream DeepGEMM's ("deep_gemm"), with the elementwise
-  steps in JIT kernels when they are available and no host synchronisation.
+  steps in JIT kernels when they are available and no host synchronisation. On "sm90" some steps
+  run inside the GEMMs instead: the L1 forward gathers x's rows (fused_gather), the L2 forward and
+  the L1 dgrad write top-k slot order for the combine (fused_combine), and, opt-in, SwiGLU forward
+  / backward run in GEMM epilogues (fused_swiglu).
 
 The backward is written by hand (design.md §2): it needs only the dispatched pool of x, the L1
 output h and the routing metadata, and gets ``d topk_weights`` as ``<da', act>`` without the L2
