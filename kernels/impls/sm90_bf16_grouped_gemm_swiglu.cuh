@@ -200,16 +200,8 @@ swiglu_row_weight_grad_kernel(const float* __restrict__ partials, const int* __r
                               uint32_t num_parts, float* __restrict__ d_row_weight) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     for (uint32_t row = blockIdx.x * blockDim.x + threadIdx.x; row < num_rows; row += gridDim.x * blockDim.x) {
-        uint32_t lo = 0, hi = num_experts;
-        while (lo < hi) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (static_cast<uint32_t>(__ldg(ends + mid)) > row)
-                hi = mid;
-            else
-                lo = mid + 1;
-        }
         float sum = 0.0f;
-        if (lo < num_experts && static_cast<uint32_t>(__ldg(starts + lo)) <= row) {
+        if (sched::owning_expert(starts, ends, num_experts, row) < num_experts) {
             for (uint32_t j = 0; j < num_parts; ++j)
                 sum += partials[static_cast<uint64_t>(row) * num_parts + j];
         }

@@ -3,8 +3,8 @@
 //
 // M-grouped (forward, dgrad): the pool's 128-row blocks are the M tiles; expert e owns the pool
 // rows [starts[e], ends[e]) (multiples of BLOCK_M), so each block maps to one expert, found by a
-// binary search over `ends`; blocks past ends[E-1] are not scheduled and blocks owned by no expert
-// are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all N blocks, so the
+// binary search over `ends` (owning_expert); blocks past ends[E-1] are not scheduled and blocks
+// owned by no expert are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all N blocks, so the
 // CTAs resident at one time share A blocks and expert weights in L2.
 //
 // K-grouped (weight gradients): tiles are (expert, M block, N block) of the [E, M, N] output; the
@@ -28,6 +28,22 @@ struct GroupedTile {
 };
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+// The expert whose pool rows [starts[e], ends[e]) hold `row`, or num_experts when none does (rows
+// past ends[E-1], or before the first row of the expert whose range ends past them). A binary
+// search for the first expert whose range ends past `row` (ends is non-decreasing).
+__device__ __forceinline__ uint32_t owning_expert(const int* starts, const int* ends, uint32_t num_experts,
+                                                  uint32_t row) {
+    uint32_t lo = 0, hi = num_experts;
+    while (lo < hi) {
+        const uint32_t mid = (lo + hi) / 2;
+        if (static_cast<uint32_t>(__ldg(ends + mid)) > row)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo < num_experts && static_cast<uint32_t>(__ldg(starts + lo)) <= row ? lo : num_experts;
+}
 
 template <GroupedGemmType kType, uint32_t BLOCK_M, uint32_t BLOCK_K, uint32_t kGroupM, uint32_t kClusterN>
 struct GroupedScheduler {
@@ -60,19 +76,6 @@ struct GroupedScheduler {
         }
     }
 
-    // First expert whose range ends past `row`; num_experts if none.
-    __device__ __forceinline__ uint32_t expert_of_row(uint32_t row) const {
-        uint32_t lo = 0, hi = num_experts;
-        while (lo < hi) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (static_cast<uint32_t>(__ldg(ends + mid)) > row)
-                hi = mid;
-            else
-                lo = mid + 1;
-        }
-        return lo;
-    }
-
     __device__ __forceinline__ bool next(GroupedTile& tile) {
         while (next_unit < num_tiles) {
             const uint32_t unit = next_unit;
@@ -86,8 +89,8 @@ struct GroupedScheduler {
                 tile.m_block = first_m + in_group % rows;
                 n_unit = in_group / rows;
                 const uint32_t row = tile.m_block * BLOCK_M;
-                tile.expert = expert_of_row(row);
-                if (tile.expert >= num_experts || static_cast<uint32_t>(__ldg(starts + tile.expert)) > row)
+                tile.expert = owning_expert(starts, ends, num_experts, row);
+                if (tile.expert >= num_experts)
                     continue;
                 tile.num_k_blocks = num_k_blocks;
                 tile.k_row = 0;
