@@ -200,6 +200,17 @@ def _check_multiple(label: str, value: int, multiple: int, why: str) -> None:
         raise ValueError(f"{label}={value}: expected a multiple of {multiple} ({why})")
 
 
+def _check_expert_weight(label: str, w: torch.Tensor, experts_w: int, k_w: int, num_experts: int, k: int,
+                         k_name: str, a_label: str, a: torch.Tensor) -> None:
+    """An expert weight [E, ., .] holds one matrix per expert of starts/ends and contracts over a's K."""
+    if experts_w != num_experts:
+        raise ValueError(f"{label}: {experts_w} experts (shape {tuple(w.shape)}), expected {num_experts} like "
+                         f"starts/ends")
+    if k_w != k:
+        raise ValueError(f"{label}: shape {tuple(w.shape)} contracts over {k_w}, expected {k_name}={k} of {a_label} "
+                         f"{tuple(a.shape)}")
+
+
 def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str = "out",
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if out is None:
@@ -337,10 +348,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         experts_b, n, k_b = b.shape
     else:
         experts_b, k_b, n = b.shape
-    if experts_b != num_experts:
-        raise ValueError(f"b: {experts_b} experts (shape {tuple(b.shape)}), expected {num_experts} like starts/ends")
-    if k_b != k:
-        raise ValueError(f"b: shape {tuple(b.shape)} contracts over {k_b}, expected K={k} of a {tuple(a.shape)}")
+    _check_expert_weight("b", b, experts_b, k_b, num_experts, k, "K", "a", a)
     _check_scatter(scatter, rows, a.device)
     out = _check_out(out, (rows if scatter is None else scatter.num_slots, n), a.device)
     _check_multiple("K", k, 8, "16-byte rows for TMA")
@@ -479,11 +487,7 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
     hidden = x_pool.shape[1]
     rows = _pool_rows(gather, x_pool)
     experts_b, two_inter, hidden_b = l1.shape
-    if experts_b != num_experts:
-        raise ValueError(f"l1: {experts_b} experts (shape {tuple(l1.shape)}), expected {num_experts} like starts/ends")
-    if hidden_b != hidden:
-        raise ValueError(f"l1: shape {tuple(l1.shape)} contracts over {hidden_b}, expected H={hidden} of x_pool "
-                         f"{tuple(x_pool.shape)}")
+    _check_expert_weight("l1", l1, experts_b, hidden_b, num_experts, hidden, "H", "x_pool", x_pool)
     inter = two_inter // 2
     if two_inter % 2 or not swiglu_epilogue_supported(inter):
         raise ValueError(f"l1: shape {tuple(l1.shape)}: 2I={two_inter}, expected a positive multiple of "
@@ -533,11 +537,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     hidden = dy_pool.shape[1]
     rows = _pool_rows(gather, dy_pool)
     experts_b, hidden_b, inter = l2.shape
-    if experts_b != num_experts:
-        raise ValueError(f"l2: {experts_b} experts (shape {tuple(l2.shape)}), expected {num_experts} like starts/ends")
-    if hidden_b != hidden:
-        raise ValueError(f"l2: shape {tuple(l2.shape)} contracts over {hidden_b}, expected H={hidden} of dy_pool "
-                         f"{tuple(dy_pool.shape)}")
+    _check_expert_weight("l2", l2, experts_b, hidden_b, num_experts, hidden, "H", "dy_pool", dy_pool)
     if tuple(h.shape) != (rows, 2 * inter):
         raise ValueError(f"h: shape {tuple(h.shape)}, expected ({rows}, {2 * inter}) for {rows} pool rows and "
                          f"I={inter}")
