@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers the custom ops)
+from . import plan
 from .validation import validate_inputs
 
 
@@ -27,5 +28,6 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
                     activation_clamp=activation_clamp, backend=backend)
     clamp = None if activation_clamp is None else float(activation_clamp)
-    return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights,
-                                                clamp, backend, recipe)[0]
+    encoded = plan.resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, group=group)
+    return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights, clamp,
+                                                encoded)[0]

@@ -9,21 +9,15 @@ import argparse
 import torch
 
 import deep_gemm_ext as dge
-from deep_gemm_ext import unfused
+from deep_gemm_ext import plan
 from deep_gemm_ext.reference import reference_forward
 from deep_gemm_ext.testing import make_inputs, rel_err
 
 
-def describe_path(x: torch.Tensor, intermediate: int) -> str:
+def describe_path(x: torch.Tensor, l1_weights: torch.Tensor) -> str:
     if not x.is_cuda:
         return "CPU reference path (fp32 math, loop over experts): no CUDA GPU found"
-    engine = unfused.gemm_engine(x, x.shape[1], intermediate)
-    gpu = torch.cuda.get_device_name()
-    if engine == "loop":
-        return f"GPU fallback path (loop over experts) on {gpu}"
-    gemms = "our SM90 grouped GEMMs" if engine == "sm90" else "torch._grouped_mm"
-    kernels = "JIT kernels" if unfused.jit_kernels(x) is not None else "torch ops"
-    return f"GPU path on {gpu}: {gemms}, elementwise steps in {kernels}"
+    return f"GPU path on {torch.cuda.get_device_name()}: {plan.resolve(x, l1_weights).describe()}"
 
 
 def main() -> None:
@@ -36,7 +30,7 @@ def main() -> None:
     T, H, I, E, K = (4096, 2048, 768, 128, 8) if device == "cuda" else (256, 256, 128, 16, 4)
     T = args.tokens if args.tokens is not None else T
     x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, routing="zipf", device=device, seed=0)
-    print(f"path: {describe_path(x, I)}")
+    print(f"path: {describe_path(x, l1)}")
     print(f"layer: T={T} H={H} I={I} E={E} K={K} clamp={args.clamp}")
     y = dge.mega_moe_train(x, idx, w, l1, l2, activation_clamp=args.clamp)
     dy = torch.randn_like(y)

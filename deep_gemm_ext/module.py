@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .api import mega_moe_train
+from .plan import DEFAULT_BACKEND
 from .validation import validate_inputs
 
 
@@ -53,7 +54,7 @@ class MegaMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, group=None,
-                 recipe: str = "bf16", activation_clamp: float | None = None, backend: str = "auto",
+                 recipe: str = "bf16", activation_clamp: float | None = None, backend: str = DEFAULT_BACKEND,
                  device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         num_experts, hidden, intermediate, top_k = (
@@ -136,6 +137,6 @@ class MegaMoE(nn.Module):
                   f"recipe={self.recipe!r}"]
         if self.activation_clamp is not None:
             parts.append(f"activation_clamp={self.activation_clamp}")
-        if self.backend != "auto":
+        if self.backend != DEFAULT_BACKEND:
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

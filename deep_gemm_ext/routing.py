@@ -8,7 +8,7 @@ the host to read device values: no synchronisation, CUDA-graph safe.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,8 @@ class RoutingMeta:
     ends        [E]   int32  ``starts + round_up(counts, align)``; ``torch._grouped_mm``'s offs
     slot_to_row [T*K] int32  pool row of slot ``t*K+k``, -1 for unused slots (id -1)
     row_to_slot [P]   int32  slot of each pool row, -1 for padding rows
+
+    ``extras`` holds values a provider derives from the routing once per call (not saved).
     """
 
     counts: torch.Tensor
@@ -40,6 +42,7 @@ class RoutingMeta:
     num_experts: int
     top_k: int
     align: int
+    extras: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_pool_rows(self) -> int:

@@ -5,14 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _env
+from . import plan
+from .plan import unsupported_shape_reason
 
-RECIPES = ("bf16",)
-BACKENDS = ("auto", "torch", "deep_gemm")
-#: Recipes each backend runs; fp8 (1x128 activation / 128x128 weight scales) is upstream's today.
-BACKEND_RECIPES = {"auto": RECIPES, "torch": RECIPES, "deep_gemm": ("bf16", "fp8")}
-#: Row alignment torch._grouped_mm needs on SM90 (16-byte strides and TMA boxes of bf16 rows).
-_GPU_DIM_MULTIPLE = 8
+__all__ = ["MoEShape", "check_alignment", "check_expert_ids", "unsupported_shape_reason", "validate_inputs"]
 
 
 @dataclass(frozen=True)
@@ -22,21 +18,6 @@ class MoEShape:
     top_k: int
     num_experts: int
     intermediate: int
-
-
-def unsupported_shape_reason(hidden: int, intermediate: int, recipe: str = "bf16",
-                             device_type: str = "cuda") -> str | None:
-    """Why ``(hidden, intermediate)`` cannot run under ``recipe`` on ``device_type``; None if it can."""
-    if recipe not in RECIPES:
-        return f"recipe={recipe!r} is not supported; expected one of {RECIPES}"
-    if hidden <= 0 or intermediate <= 0:
-        return f"hidden={hidden} and intermediate={intermediate} must be positive"
-    if device_type == "cuda":
-        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
-            if value % _GPU_DIM_MULTIPLE:
-                return (f"{name}={value} is not a multiple of {_GPU_DIM_MULTIPLE}, which the bf16 GPU "
-                        f"path needs for 16-byte aligned rows")
-    return None
 
 
 def _tensor(name: str, value) -> torch.Tensor:
@@ -71,11 +52,7 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     l1_weights = _tensor("l1_weights", l1_weights)
     l2_weights = _tensor("l2_weights", l2_weights)
 
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
-    recipes = BACKEND_RECIPES[backend]
-    if not isinstance(recipe, str) or recipe not in recipes:
-        raise ValueError(f"recipe={recipe!r} is not supported by backend={backend!r}; expected one of {recipes}")
+    plan.check_options(backend, recipe)
     if activation_clamp is not None:
         if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
             raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
@@ -139,18 +116,7 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
                     ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
         _check_contiguous(name, t)
 
-    reason = unsupported_shape_reason(hidden, intermediate, "bf16", device.type)
-    if reason is None and backend == "deep_gemm":
-        from .backends import deepgemm
-
-        if device.type != "cuda":
-            reason = f"backend='deep_gemm' needs CUDA tensors, got x on {device}"
-        elif not deepgemm.is_available():
-            deepgemm.require()  # raises RuntimeError saying how to install DeepGEMM
-            reason = (f"backend='deep_gemm' needs an SM90 or SM100 GPU, got compute capability "
-                      f"{torch.cuda.get_device_capability(device)}")
-        else:
-            reason = deepgemm.unsupported_shape_reason(hidden, intermediate, recipe)
+    reason = plan.shape_reason_for_backend(backend, recipe, device, hidden, intermediate)
     if reason is not None:
         raise ValueError(reason)
     return MoEShape(num_tokens, hidden, top_k, num_experts, intermediate)
@@ -167,18 +133,19 @@ def check_alignment(**tensors: torch.Tensor) -> None:
                              f"16-byte aligned tensor (call .clone())")
 
 
-def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, *, host_check: bool = True) -> None:
     """Reject ids outside ``[-1, num_experts)``.
 
     Reading the verdict costs one host sync, so it is skipped while a CUDA graph is being
-    captured (and when ``DGE_CHECK_IDS=0``); there a device-side assertion fires instead. Either
-    way the routing treats such ids as unused slots, so no kernel indexes out of bounds.
+    captured (and without ``host_check``: ``DGE_CHECK_IDS=0``, through the plan); there a
+    device-side assertion fires instead. Either way the routing treats such ids as unused slots,
+    so no kernel indexes out of bounds.
     """
     if topk_idx.numel() == 0:
         return
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or not _env.check_ids():
+    if capturing or not host_check:
         if topk_idx.is_cuda:
             torch._assert_async(~bad.any(), f"topk_idx holds ids outside [-1, {num_experts})")
         return

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deep_gemm_ext as dge
-from deep_gemm_ext import unfused
+from deep_gemm_ext import plan
 from deep_gemm_ext.baselines import grouped_mm_moe
 
 IMPLS = ("ours", "grouped_mm")
@@ -323,11 +323,12 @@ def main(argv=None) -> int:
         runs.append(Run("grouped_mm", args, device, dtype, name=REPEAT))
     tokens_per_step = args.batch * args.seq
     probe = torch.empty(1, args.hidden, device=device, dtype=dtype)
-    engine = unfused.gemm_engine(probe, args.hidden, args.intermediate, args.backend)
+    probe_l1 = torch.empty(args.experts, 2 * args.intermediate, args.hidden, device="meta", dtype=dtype)
+    engine = plan.resolve(probe, probe_l1, backend=args.backend).describe()
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"{dtype}, {args.steps} steps of {tokens_per_step} tokens; hidden {args.hidden}, "
           f"intermediate {args.intermediate}, {args.experts} experts, top-{args.top_k}, "
-          f"{args.layers} layers; ours runs its grouped GEMMs on '{engine}'; "
+          f"{args.layers} layers; ours runs {engine}; "
           f"data entropy rate {chain.entropy_rate:.3f} nats/token")
     for step in range(args.steps):
         tokens = data[step * args.batch:(step + 1) * args.batch]

@@ -69,9 +69,10 @@ def implementations(with_loop: bool, all_variants: bool = False):
         impls[("ours", "auto+gather-backward", "bf16")] = _ours()
     impls[("ours", "torch", "bf16")] = _ours("torch")
     try:
-        from deep_gemm_ext.backends import deepgemm
+        from deep_gemm_ext import plan
+        from deep_gemm_ext.providers import deepgemm
         if deepgemm.is_available():
-            for recipe in deepgemm.RECIPES:
+            for recipe in plan.BACKEND_RECIPES["deep_gemm"]:
                 impls[("ours", "deep_gemm", recipe)] = _ours("deep_gemm", recipe)
     except ImportError:
         pass

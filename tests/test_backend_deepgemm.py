@@ -1,11 +1,13 @@
-"""The optional DeepGEMM backend: clear errors without it, layouts on CPU, kernels against torch on GPU."""
+"""The optional DeepGEMM provider: clear errors without it, layouts on CPU, kernels against torch on GPU."""
 import sys
 
 import pytest
 import torch
 
-from deep_gemm_ext import unfused
-from deep_gemm_ext.backends import deepgemm
+from deep_gemm_ext import elementwise, layer
+from deep_gemm_ext.plan import Plan
+from deep_gemm_ext.providers import deepgemm
+from deep_gemm_ext.recipes import RECIPES
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_inputs, make_routing, rel_err
 
@@ -14,6 +16,7 @@ from gpu_utils import poison_allocator, reference_grads
 # One pool shape for every GPU test, so each DeepGEMM kernel is compiled once (T not a multiple of 128).
 T, H, I, E, K = 300, 256, 128, 4, 2
 ALIGN = 128
+PROVIDER = deepgemm.DeepGemmProvider()
 
 
 @pytest.fixture
@@ -29,9 +32,8 @@ def test_every_entry_point_says_how_to_install(no_deep_gemm):
     meta = compute_routing_torch(make_routing(4, E, K), E, ALIGN)
     calls = {
         "token_group_alignment": lambda: deepgemm.token_group_alignment(),
-        "deepgemm_forward": lambda: deepgemm.deepgemm_forward(None, meta, None, None),
-        "deepgemm_backward": lambda: deepgemm.deepgemm_backward(None, None, None, meta, None, None, None),
-        "mega_moe_forward_sm100": lambda: deepgemm.mega_moe_forward_sm100(None, None, None, None, None, None),
+        "m_grouped": lambda: PROVIDER.m_grouped(None, None, meta, "nt", recipe=RECIPES["bf16"]),
+        "k_grouped": lambda: PROVIDER.k_grouped(None, None, meta, recipe=RECIPES["fp8"]),
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError) as info:
@@ -98,10 +100,10 @@ def test_fp8_quantizers_round_trip():
 
 
 def test_unsupported_shape_reason():
-    assert deepgemm.unsupported_shape_reason(2048, 768, "bf16") is None
-    assert deepgemm.unsupported_shape_reason(2048, 768, "fp8") is None
-    assert "intermediate=96" in deepgemm.unsupported_shape_reason(2048, 96, "fp8")
-    assert "recipe='mxfp8'" in deepgemm.unsupported_shape_reason(2048, 768, "mxfp8")
+    assert deepgemm.unsupported_shape_reason(2048, 768, RECIPES["bf16"]) is None
+    assert deepgemm.unsupported_shape_reason(2048, 768, RECIPES["fp8"]) is None
+    assert "intermediate=96" in deepgemm.unsupported_shape_reason(2048, 96, RECIPES["fp8"])
+    assert "hidden=20" in deepgemm.unsupported_shape_reason(20, 768, RECIPES["bf16"])
 
 
 def _dequant_blocks(q, scale):
@@ -157,24 +159,13 @@ class TorchDeepGemm:
 
 
 def _run_backend(recipe, routing, clamp, device, seed=2):
-    """The pooled forward + backward through the backend; returns the layer outputs and the reference's."""
+    """The layer (deep_gemm_ext.layer) on the DeepGEMM provider, elementwise steps in torch; returns
+    the relative errors of y and the four gradients against the fp64 reference."""
     x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, routing=routing, device=device, seed=seed, requires_grad=False)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
-    meta = compute_routing_torch(idx, E, deepgemm.token_group_alignment())
-    if recipe == "fp8":
-        l1_arg, l2_arg = deepgemm.Fp8ExpertWeights.from_bf16(l1), deepgemm.Fp8ExpertWeights.from_bf16(l2)
-    else:
-        l1_arg, l2_arg = l1, l2
-    x_pool = unfused.gather_rows(x, meta.row_to_slot, K)
-    o_pool, h = deepgemm.deepgemm_forward(x_pool, meta, l1_arg, l2_arg, clamp, recipe)
-    y = unfused.combine_rows(o_pool, meta.slot_to_row, w, K, x.dtype)
-    dy_pool = unfused.gather_rows(dy, meta.row_to_slot, K)
-    flat_w = w.reshape(-1)
-    row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
-    dx_pool, d_row_w, d_l1, d_l2 = deepgemm.deepgemm_backward(
-        dy_pool, x_pool, h, meta, row_weight, l1_arg, l2_arg, clamp, recipe)
-    dx = unfused.combine_rows(dx_pool, meta.slot_to_row, None, K, dy.dtype)
-    d_topk = torch.where(meta.slot_to_row >= 0, d_row_w[meta.slot_to_row.clamp(min=0).long()], 0).view(T, K)
+    plan = Plan(provider="deep_gemm", recipe=recipe, align=deepgemm.token_group_alignment(), compute_dtype="bfloat16")
+    y, saved = layer.forward(plan, x, idx, w, l1, l2, clamp)
+    dx, d_topk, d_l1, d_l2 = layer.backward(plan, dy, saved, clamp)
     assert not d_topk[idx < 0].any()
     y_ref, grads_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
     ours = {"y": y, "dx": dx, "d_topk": d_topk, "d_l1": d_l1, "d_l2": d_l2}
@@ -186,7 +177,6 @@ def torch_deep_gemm(monkeypatch):
     """The backend on CPU: DeepGEMM replaced by its torch emulation, any device accepted as SM90."""
     monkeypatch.setattr(deepgemm, "_deep_gemm", TorchDeepGemm)
     monkeypatch.setattr(deepgemm, "_arch_major", lambda name, t: 9)
-    monkeypatch.setenv("DGE_DISABLE_JIT", "1")
 
 
 # bf16 h rounds some SwiGLU inputs across the clamp, so with a clamp the gradients through dh (dx,
@@ -217,12 +207,6 @@ def _sm90_with_deep_gemm() -> bool:
 gpu = pytest.mark.skipif(not _sm90_with_deep_gemm(), reason="needs an SM90 GPU and an importable deep_gemm")
 
 
-@pytest.fixture
-def torch_elementwise(monkeypatch):
-    # Isolate DeepGEMM from the package's own JIT kernels: gather, SwiGLU and combine run on torch.
-    monkeypatch.setenv("DGE_DISABLE_JIT", "1")
-
-
 def _pool_meta(routing="uniform", seed=0):
     idx = make_routing(T, E, K, routing, device="cuda", generator=torch.Generator().manual_seed(seed))
     return idx, compute_routing_torch(idx, E, deepgemm.token_group_alignment())
@@ -245,10 +229,10 @@ LAYER_GEMMS = [(False, 2 * I, H), (False, H, I), (True, I, H), (True, H, 2 * I)]
 @gpu
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 @pytest.mark.parametrize("transposed, n, k", LAYER_GEMMS, ids=["l1", "l2", "l2_dgrad", "l1_dgrad"])
-def test_gemm_m_grouped_matches_torch(recipe, transposed, n, k, torch_elementwise):
+def test_gemm_m_grouped_matches_torch(recipe, transposed, n, k):
     _, meta = _pool_meta()
     # Pool row r holds source row row_to_slot[r]; padding rows are zero, as gather leaves them.
-    a = unfused.gather_rows(torch.randn(T * K, k, device="cuda", dtype=torch.bfloat16), meta.row_to_slot, 1)
+    a = elementwise.gather_rows(torch.randn(T * K, k, device="cuda", dtype=torch.bfloat16), meta.row_to_slot, 1)
     w = (torch.randn(E, k, n, device="cuda") if transposed else torch.randn(E, n, k, device="cuda")) / k ** 0.5
     w = w.to(torch.bfloat16)
     if recipe == "fp8":
@@ -261,8 +245,7 @@ def test_gemm_m_grouped_matches_torch(recipe, transposed, n, k, torch_elementwis
         prepared = w
         w_eff = (w.transpose(1, 2) if transposed else w).float()
         a_eff = a.float()
-    out = deepgemm._m_grouped(deepgemm._deep_gemm(), a, prepared, deepgemm.m_indices(meta), recipe,
-                              transposed=transposed)
+    out = PROVIDER.m_grouped(a, prepared, meta, "nn" if transposed else "nt", recipe=RECIPES[recipe])
     ref = _expert_loop(a_eff, meta, lambda e, rows: rows @ w_eff[e].t())
     starts, counts = meta.starts.tolist(), meta.counts.tolist()
     for e, r in ref.items():
@@ -279,7 +262,7 @@ def test_gemm_k_grouped_matches_torch(recipe, m, n):
     a = torch.where(real, torch.randn(meta.num_pool_rows, m, device="cuda"), 0).to(torch.bfloat16)
     b = torch.where(real, torch.randn(meta.num_pool_rows, n, device="cuda"), 0).to(torch.bfloat16)
     ks = (meta.ends - meta.starts).tolist()
-    d = deepgemm._k_grouped(deepgemm._deep_gemm(), a, b, ks, recipe)
+    d = PROVIDER.k_grouped(a, b, meta, recipe=RECIPES[recipe])
     assert d.shape == (E, m, n) and d.dtype == torch.float32
     if recipe == "fp8":
         rows = sum(ks)
@@ -298,7 +281,7 @@ CASES = [("bf16", "uniform", None), ("bf16", "unused_slots", 1.0), ("bf16", "emp
 
 @gpu
 @pytest.mark.parametrize("recipe, routing, clamp", CASES)
-def test_layer_forward_and_backward_match_emulation(recipe, routing, clamp, torch_elementwise, monkeypatch):
+def test_layer_forward_and_backward_match_emulation(recipe, routing, clamp, monkeypatch):
     """DeepGEMM's errors against the fp64 reference are those of its torch emulation (design.md §6)."""
     poison_allocator(1 << 28)
     errors = _run_backend(recipe, routing, clamp, "cuda")

@@ -229,7 +229,7 @@ def test_error(bad):
 @pytest.mark.parametrize("bad", [e for e in ERRORS if e.id != "backend-deep-gemm-cpu"], ids=lambda e: e.id)
 def test_error_on_gpu(bad):
     if bad.id == "backend-deep-gemm-missing":
-        from deep_gemm_ext.backends import deepgemm
+        from deep_gemm_ext.providers import deepgemm
         if deepgemm.is_available():
             pytest.skip("DeepGEMM is installed here")
     err = raised(bad, "cuda")

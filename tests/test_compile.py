@@ -118,8 +118,14 @@ def recorded_calls(device, dtype, backend, num_tokens, routing, clamp):
 
 
 def fresh(args, requires_grad):
-    return [a.detach().clone().requires_grad_(requires_grad and a.is_floating_point())
-            if isinstance(a, torch.Tensor) else a for a in args]
+    """Detached copies of the tensors in ``args`` (also inside the saved-tensor list)."""
+    def copy(a):
+        if isinstance(a, (list, tuple)):
+            return [copy(t) for t in a]
+        if isinstance(a, torch.Tensor):
+            return a.detach().clone().requires_grad_(requires_grad and a.is_floating_point())
+        return a
+    return [copy(a) for a in args]
 
 
 OPCHECK_CASES = [

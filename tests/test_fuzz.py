@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from deep_gemm_ext import unfused
+from deep_gemm_ext import plan
 from deep_gemm_ext.validation import unsupported_shape_reason
 
 from fuzz_utils import (FUZZ_ROUTINGS, GPU_CRITERIA, GPU_LIMITS, Limits, check_case, draw_case, failure_report,
@@ -72,8 +72,8 @@ EMULATED = Limits(96, 128, 128, 12, 8, 8, 1 << 22, 1 << 22)
 
 @pytest.mark.parametrize("seed", range(12), ids=lambda s: f"seed-{s}")
 def test_gpu_composition_emulated_on_cpu(seed, monkeypatch):
-    monkeypatch.setattr(unfused, "gemm_engine", lambda x, hidden, inter, backend="auto", num_experts=1:
-                        "grouped_mm" if x.dtype == torch.bfloat16 else "loop")
+    monkeypatch.setattr(plan, "choose_provider", lambda device, dtype, facts, backend:
+                        "grouped_mm" if dtype == torch.bfloat16 else "loop")
     case = draw_case(seed, "cuda", EMULATED)
     result = check_case(case, "cpu", criteria_of=lambda dtype: GPU_CRITERIA, with_baseline=True)
     assert not result.failures, failure_report([result]) + "\n" + summary_line([result])

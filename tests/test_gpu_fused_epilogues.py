@@ -1,5 +1,5 @@
 """SwiGLU epilogues of the SM90 grouped GEMM (kernels/impls/sm90_bf16_grouped_gemm_swiglu.cuh) against the
-unfused composition: the grouped GEMM, then deep_gemm_ext.unfused.swiglu_forward / swiglu_backward in fp32
+unfused composition: the grouped GEMM, then deep_gemm_ext.elementwise.swiglu_forward / swiglu_backward in fp32
 torch, and an fp64 reference of both.
 
 CPU: argument checks, supported shapes, rendered configs (and, with nvcc, their compile: no spills, wgmma).
@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from deep_gemm_ext import unfused
+from deep_gemm_ext import elementwise
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms, rel_err
@@ -145,11 +145,6 @@ class Layer:
         return self.per_expert(self.dy_pool.double(), lambda e, a: a @ self.l2[e].double())
 
 
-def _torch_elementwise(monkeypatch):
-    """unfused.swiglu_* take their torch (fp32 for bf16 inputs) path rather than the JIT kernels."""
-    monkeypatch.setenv("DGE_DISABLE_JIT", "1")
-
-
 def _check_written(label: str, out: torch.Tensor, layer: Layer) -> None:
     """Every owned row written (no NaN left from the poison), rows past the last expert untouched."""
     owned = out[layer.owned].float()
@@ -200,8 +195,7 @@ def _check_forward(layer: Layer, clamp, monkeypatch) -> tuple[torch.Tensor, torc
     assert mismatch == 0, f"act differs from swiglu_forward_kernel(h) in {mismatch} elements"
 
     # The unfused composition in fp32 torch, and both against fp64.
-    _torch_elementwise(monkeypatch)
-    act_unfused = unfused.swiglu_forward(plain[own], clamp)
+    act_unfused = elementwise.swiglu_forward(plain[own], clamp)
     _assert_close_bf16("act vs unfused", act[own], act_unfused)
     from deep_gemm_ext.reference import swiglu
     act64 = swiglu(layer.h64()[own], clamp)
@@ -261,12 +255,11 @@ def _check_backward(layer: Layer, h, clamp, monkeypatch, block_n=None) -> None:
     assert mismatch == 0, f"act_w differs from swiglu_backward_kernel in {mismatch} elements"
 
     # Unfused composition: bf16 GEMM output, then the fp32 torch SwiGLU backward.
-    _torch_elementwise(monkeypatch)
-    dh_u, dw_u, act_w_u = unfused.swiglu_backward(h[own], da_bf16[own], w[own], clamp)
+    dh_u, dw_u, act_w_u = elementwise.swiglu_backward(h[own], da_bf16[own], w[own], clamp)
     _assert_close_bf16("act_w vs unfused", act_w[own], act_w_u)
     assert rel_err(dh[own], dh_u) < 1e-2, f"dh vs unfused: rel err {rel_err(dh[own], dh_u):.3e}"
     # fp64 reference from the same bf16 h.
-    dh64, dw64, _ = unfused.swiglu_backward(h[own].double(), layer.da64()[own], w[own].double(), clamp)
+    dh64, dw64, _ = elementwise.swiglu_backward(h[own].double(), layer.da64()[own], w[own].double(), clamp)
     _assert_no_worse("dh", rel_err(dh[own], dh64), rel_err(dh_u, dh64), 1e-2)
     _assert_no_worse("d_row_weight", rel_err(dw[own], dw64), rel_err(dw_u, dw64), 1e-4)
 

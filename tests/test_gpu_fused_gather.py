@@ -254,13 +254,13 @@ def test_layer_builds_no_pool(monkeypatch):
     """With the fused gathers forward and backward (DGE_FUSED_GATHER_BACKWARD=1) no pool of x or dy is
     built: gather_rows is never called (and the backward's memory peak is lower); without them,
     twice (x, then dy)."""
-    from deep_gemm_ext import unfused
+    from deep_gemm_ext import elementwise
     monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "1")
     x, idx, w, l1, l2 = make_inputs(4096, 1024, 512, 16, 8, device="cuda", seed=3)
     dy = torch.randn(4096, 1024, device="cuda").to(torch.bfloat16)
     calls, peaks = [], {}
-    real = unfused.gather_rows
-    monkeypatch.setattr(unfused, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = elementwise.gather_rows
+    monkeypatch.setattr(elementwise, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for flag in ("0", "cp_async"):
         monkeypatch.setenv("DGE_FUSED_GATHER", flag)
         calls.clear()
@@ -279,13 +279,13 @@ def test_layer_builds_no_pool(monkeypatch):
 @needs_hopper
 def test_layer_default_gathers_forward_only(monkeypatch):
     """Default: the L1 forward gathers x itself; the backward builds the pools of dy and x."""
-    from deep_gemm_ext import unfused
+    from deep_gemm_ext import elementwise
     monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
     monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
     x, idx, w, l1, l2 = make_inputs(512, 512, 256, 8, 4, device="cuda", seed=4)
     calls = []
-    real = unfused.gather_rows
-    monkeypatch.setattr(unfused, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = elementwise.gather_rows
+    monkeypatch.setattr(elementwise, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     y = dge.mega_moe_train(x, idx, w, l1, l2)
     assert calls == [], "the forward built a pool of x"
     y.backward(torch.randn_like(y))

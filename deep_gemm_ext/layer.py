@@ -1,0 +1,160 @@
+"""The MoE layer of design.md §2, forward and backward, written once over a plan's parts.
+
+    forward:   exchange.dispatch -> routing -> L1 GEMM -> SwiGLU -> L2 GEMM -> combine -> exchange.combine
+    backward:  exchange.combine_backward -> L2 dgrad -> SwiGLU backward (d topk_weights = <da', act>)
+               -> dW2, L1 dgrad -> combine -> dW1 -> exchange.dispatch_backward
+
+Which GEMMs run (``plan.gemms``: our SM90 kernels, torch._grouped_mm, a loop over experts, DeepGEMM),
+under which precision (``plan.precision``) and token exchange (``plan.tokens``) is the plan's
+choice (deep_gemm_ext.plan); so is which steps run inside the GEMMs: the L1 GEMM gathering x's
+rows (``gather_x``; no pool of x is built and x is saved instead), the backward's GEMMs gathering
+dy and x (``gather_backward``), GEMM outputs written in top-k slot order for the combine
+(``combine_epilogue``), SwiGLU in the GEMM epilogues (``swiglu_epilogues``). Where a fusion is
+off, the separate elementwise step of deep_gemm_ext.elementwise runs.
+
+The backward needs only the L1 output h, the rows of x (the pool, or x itself), the routing
+metadata and the weights: act is recomputed from h, and d topk_weights is ``<da', act>``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import elementwise
+from .plan import Plan
+from .providers import Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .routing import RoutingMeta, pool_rows
+
+_META_TENSORS = 5  # counts, starts, ends, slot_to_row, row_to_slot
+
+
+# ---------------------------------------------------------------------------------------------
+# What the forward saves, as the flat tensor lists the custom ops carry:
+#   saved = [x_rows, topk_weights, l1_weights, l2_weights, h, *routing metadata, *exchange handle]
+# x_rows is x itself where the L1 GEMM gathered it (plan.gather_x), else the dispatched pool.
+# The op returns only the tensors it made ("produced"); setup_context adds the inputs back.
+
+
+def produced_of(plan: Plan, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The saved tensors the forward made (not its inputs)."""
+    x_rows, _, _, _, *rest = saved
+    return rest if plan.gather_x else [x_rows, *rest]
+
+
+def saved_of(plan: Plan, x, topk_weights, l1_weights, l2_weights, produced: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``saved`` from the op's inputs and what it produced (the inverse of :func:`produced_of`)."""
+    if plan.gather_x:
+        return [x, topk_weights, l1_weights, l2_weights, *produced]
+    x_pool, *rest = produced
+    return [x_pool, topk_weights, l1_weights, l2_weights, *rest]
+
+
+def produced_like(plan: Plan, x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.Tensor) -> list[torch.Tensor]:
+    """Empty tensors shaped like what :func:`forward` produces (the custom op's fake)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_idx.shape[1]
+    num_experts, two_i, _ = l1_weights.shape
+    rows = pool_rows(num_tokens * top_k, num_experts, plan.align)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    made = [] if plan.gather_x else [x.new_empty(rows, hidden, dtype=plan.dtype)]
+    return made + [x.new_empty(rows, two_i, dtype=plan.dtype), torch.empty(num_experts, **i32),
+                   torch.empty(num_experts, **i32), torch.empty(num_experts, **i32),
+                   torch.empty(num_tokens * top_k, **i32), torch.empty(rows, **i32)]
+
+
+def _meta(plan: Plan, tensors, num_experts: int, top_k: int) -> RoutingMeta:
+    return RoutingMeta.from_tensors(tensors, num_experts=num_experts, top_k=top_k, align=plan.align)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+def _combine(plan: Plan, a, w, layout: str, meta: RoutingMeta, weights, out_dtype):
+    """y[t] = sum_k weights[t, k] * (a[r] @ op(w[e]))[slot_to_row[t*K + k]]: an M-grouped GEMM and the
+    ordered top-k combine, through the GEMM's slot-order epilogue or a gathering combine."""
+    if plan.combine_epilogue:
+        o_slots = plan.gemms.m_grouped(a, w, meta, layout, recipe=plan.precision, epilogue=ScatterSlots(weights))
+        return elementwise.combine_slots(o_slots, meta.slot_to_row, meta.top_k, plan.kernels)
+    o = plan.gemms.m_grouped(a, w, meta, layout, recipe=plan.precision)
+    return elementwise.combine_rows(o, meta.slot_to_row, weights, meta.top_k, out_dtype, plan.kernels)
+
+
+def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
+    """Returns ``(y, saved)``; ``saved`` is the tensor list :func:`backward` takes."""
+    gemms, precision, cdt = plan.gemms, plan.precision, plan.dtype
+    x_r, idx_r, w_r, handle = plan.tokens.dispatch(x, topk_idx, topk_weights)
+    num_experts = l1_weights.shape[0]
+    top_k = idx_r.shape[1]
+    meta = elementwise.routing(idx_r, num_experts, plan.align, plan.routing_kernels)
+    if x_r.shape[0] == 0:
+        x_rows = x_r if plan.gather_x else x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt)
+        h = x_r.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
+        y = plan.tokens.combine(x_r.new_zeros(x_r.shape), handle)
+        return y, [x_rows, topk_weights, l1_weights, l2_weights, h, *meta.tensors(), *handle]
+    if plan.gather_x:
+        a, gather = x_r.contiguous(), Gather(meta.row_to_slot, top_k, plan.gather_x)
+        x_rows = x_r
+    else:
+        a = gather = None
+        x_rows = a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels)
+    l1 = precision.expert_weights(l1_weights, cdt)
+    if plan.swiglu_epilogues:
+        h, act = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather,
+                                 epilogue=SwigluForward(activation_clamp))
+    else:
+        # h is an output of the op: rows no expert owns are zero rather than stale memory.
+        h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
+        act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
+    y_r = _combine(plan, act, precision.expert_weights(l2_weights, cdt), "nt", meta, w_r, x.dtype)
+    y = plan.tokens.combine(y_r, handle)
+    return y, [x_rows, topk_weights, l1_weights, l2_weights, h, *meta.tensors(), *handle]
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
+    """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from :func:`forward`'s ``saved``."""
+    gemms, precision, cdt = plan.gemms, plan.precision, plan.dtype
+    x_rows, topk_weights, l1_weights, l2_weights, h, *rest = saved
+    handle = rest[_META_TENSORS:]
+    top_k = topk_weights.shape[1]
+    meta = _meta(plan, rest[:_META_TENSORS], l1_weights.shape[0], top_k)
+    dy_r = plan.tokens.combine_backward(dy, handle)
+    num_tokens = meta.slot_to_row.shape[0] // top_k
+    if num_tokens == 0:  # shapes are static: no sync; also avoids zero-length contractions
+        dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(topk_weights), handle)
+        return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
+    flat_w = topk_weights.reshape(-1)
+    row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
+    if plan.gather_backward:
+        # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
+        a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
+    else:
+        a_dy = elementwise.gather_rows(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels)
+        gather = None
+    l2 = precision.expert_weights(l2_weights, cdt)
+    if plan.swiglu_epilogues:
+        # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, <da', act> and act_w.
+        dh, d_row_weight, act_w = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather,
+                                                  epilogue=SwigluBackward(h, row_weight, activation_clamp))
+    else:
+        da = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
+        dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp, plan.kernels)
+        del da
+    d_l2 = gemms.k_grouped(a_dy, act_w, meta, recipe=precision, gather_a=gather)  # [E, H, I]
+    del a_dy, act_w
+    # l1[e] is [2I, H]: dh @ l1[e], summed over each token's slots
+    dx_r = _combine(plan, dh, precision.expert_weights(l1_weights, cdt), "nn", meta, None, dy.dtype)
+    if plan.gather_backward:
+        d_l1 = gemms.k_grouped(dh, x_rows.contiguous(), meta, recipe=precision, gather_b=gather)  # [E, 2I, H]
+    else:
+        if plan.gather_x:
+            x_rows = elementwise.gather_rows(x_rows.contiguous(), meta.row_to_slot, top_k, plan.kernels)
+        d_l1 = gemms.k_grouped(dh, x_rows, meta, recipe=precision)  # [E, 2I, H]
+    del dh
+    d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
+    d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
+    dx, d_topk = plan.tokens.dispatch_backward(dx_r, d_topk, handle)
+    return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)

@@ -1,0 +1,289 @@
+"""The plan: every decision about how one call of the layer runs, made once, in one place.
+
+``resolve(...)`` reads the ``backend`` / ``recipe`` / ``group`` arguments, the device's capability and
+the ``DGE_*`` knobs (through :mod:`deep_gemm_ext._env`) and returns a :class:`Plan`: which GEMM
+provider runs the grouped GEMMs, under which precision recipe, over which token exchange, which
+steps are fused into the GEMMs, and the pool's row alignment. The layer (:mod:`deep_gemm_ext.layer`)
+and everything below it take the plan and decide nothing themselves: this is the only module that
+compares backend / recipe names or reads the environment for the layer.
+
+A plan travels through the custom ops as a short string (``Plan.encode`` / ``decode``), so the fake
+implementations, ``setup_context`` and the backward all see the decisions of the forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import _env
+from .comm import EXCHANGES
+from .providers import PROVIDERS, GemmProvider, ScatterSlots, SwigluBackward, SwigluForward
+from .recipes import RECIPES as _RECIPE_OBJECTS
+from .recipes import Recipe
+
+try:
+    from . import jit_kernels as _jit_kernels
+except ImportError:  # no cuda-python: the JIT kernels are never used
+    _jit_kernels = None
+
+#: Precision recipes of the public API.
+RECIPES = ("bf16",)
+BACKENDS = ("auto", "torch", "deep_gemm")
+DEFAULT_BACKEND = "auto"
+#: Recipes each backend runs; fp8 (1x128 activation / 128x128 weight scales) is upstream's today.
+BACKEND_RECIPES = {"auto": RECIPES, "torch": RECIPES, "deep_gemm": ("bf16", "fp8")}
+#: Row alignment torch._grouped_mm needs on SM90 (16-byte strides and TMA boxes of bf16 rows).
+_GPU_DIM_MULTIPLE = 8
+#: torch._grouped_mm refuses more groups than this.
+GROUPED_MM_MAX_GROUPS = 1024
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs. Fields are plain values so the plan encodes to a string losslessly.
+
+    provider          GEMM provider: "sm90" (our kernels), "grouped_mm" (torch), "loop" (experts one by
+                      one, the CPU reference path), "deep_gemm" (upstream's kernels)
+    recipe            "bf16" or "fp8"
+    exchange          token exchange between ranks: "local" (all experts on this rank)
+    align             rows per expert group of the pool
+    compute_dtype     dtype of the pool, h and the GEMMs
+    jit_routing       routing metadata from the JIT kernel (else torch ops)
+    jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
+    gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async" or "tma");
+                      "" builds a pool of x first
+    gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x)
+    combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
+    swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
+    check_ids         check topk_idx on the host (one sync) when not capturing a CUDA graph
+    """
+
+    provider: str
+    recipe: str = "bf16"
+    exchange: str = "local"
+    align: int = 1
+    compute_dtype: str = "float32"
+    jit_routing: bool = False
+    jit_elementwise: bool = False
+    gather_x: str = ""
+    gather_backward: bool = False
+    combine_epilogue: bool = False
+    swiglu_epilogues: bool = False
+    check_ids: bool = True
+
+    # -- the parts ------------------------------------------------------------------------------
+
+    @property
+    def gemms(self) -> GemmProvider:
+        return PROVIDERS[self.provider]
+
+    @property
+    def precision(self) -> Recipe:
+        return _RECIPE_OBJECTS[self.recipe]
+
+    @property
+    def tokens(self):
+        """The token exchange (:mod:`deep_gemm_ext.comm`)."""
+        return EXCHANGES[self.exchange]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def kernels(self):
+        """The JIT kernel module for the elementwise steps, or None (torch ops)."""
+        return _jit_kernels_module() if self.jit_elementwise else None
+
+    @property
+    def routing_kernels(self):
+        return _jit_kernels_module() if self.jit_routing else None
+
+    # -- string form ----------------------------------------------------------------------------
+
+    def encode(self) -> str:
+        return ";".join(f"{f.name}={_encode_value(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+    @staticmethod
+    def decode(text: str) -> "Plan":
+        return _decode(text)
+
+    def describe(self) -> str:
+        """One line for people: which provider and which fusions run."""
+        names = {"sm90": "our SM90 grouped GEMMs", "grouped_mm": "torch._grouped_mm",
+                 "loop": "a loop over experts", "deep_gemm": "DeepGEMM's grouped GEMMs"}
+        parts = [f"{names[self.provider]} ({self.recipe}, {self.compute_dtype})",
+                 "elementwise steps in " + ("JIT kernels" if self.jit_elementwise else "torch ops")]
+        fusions = [name for name, on in (("L1 gathers x", self.gather_x), ("backward gathers", self.gather_backward),
+                                         ("combine epilogues", self.combine_epilogue),
+                                         ("SwiGLU epilogues", self.swiglu_epilogues)) if on]
+        if fusions:
+            parts.append(", ".join(fusions))
+        return "; ".join(parts)
+
+
+def _encode_value(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(text: str) -> Plan:
+    values = dict(item.split("=", 1) for item in text.split(";"))
+    kwargs = {}
+    for f in dataclasses.fields(Plan):
+        raw = values[f.name]
+        kwargs[f.name] = (raw == "1") if f.type in (bool, "bool") else int(raw) if f.type in (int, "int") else raw
+    return Plan(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the device and the environment offer.
+
+
+def _jit_kernels_module():
+    return _jit_kernels
+
+
+def jit_available(device: torch.device) -> bool:
+    """Our JIT kernels serve this device: an SM90 GPU with a CUDA compiler, and DGE_DISABLE_JIT unset."""
+    if device.type != "cuda" or not _env.use_jit_kernels():
+        return False
+    module = _jit_kernels_module()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return module is not None and module.available(index)
+
+
+def sm90_gemm_supported(hidden: int, intermediate: int) -> bool:
+    """Shapes our SM90 grouped GEMMs take: 128-row weight-gradient tiles over H and 2I, and 64-deep
+    K blocks of the dgrad GEMMs (K = H and K = 2I)."""
+    return hidden % 128 == 0 and (2 * intermediate) % 128 == 0
+
+
+class ShapeFacts(NamedTuple):
+    """What the plan needs to know of the layer's sizes (plain bools, so that the resolution is a
+    constant of a compiled graph even where torch.compile treats the sizes as symbols)."""
+    sm90_gemm: bool          # our SM90 GEMMs take (hidden, intermediate)
+    swiglu_epilogue: bool    # our SwiGLU epilogues take intermediate
+    grouped_mm_groups: bool  # torch._grouped_mm takes this many experts
+
+
+def shape_facts(hidden: int, intermediate: int, num_experts: int) -> ShapeFacts:
+    # `True if ... else False`: under torch.compile a size comparison is specialized (guarded) here.
+    kernels = _jit_kernels_module()
+    return ShapeFacts(
+        sm90_gemm=True if sm90_gemm_supported(hidden, intermediate) else False,
+        swiglu_epilogue=True if kernels is not None and kernels.swiglu_epilogue_supported(intermediate) else False,
+        grouped_mm_groups=True if num_experts <= GROUPED_MM_MAX_GROUPS else False,
+    )
+
+
+def choose_provider(device: torch.device, dtype: torch.dtype, facts: ShapeFacts, backend: str) -> str:
+    """Who runs the grouped GEMMs for these inputs under ``backend``."""
+    if not (device.type == "cuda" and dtype == torch.bfloat16):
+        return "loop"
+    if backend == "deep_gemm":
+        return "deep_gemm"
+    major, minor = torch.cuda.get_device_capability(device)
+    if backend == "auto" and (major, minor) == (9, 0) and facts.sm90_gemm and jit_available(device):
+        return "sm90"
+    return "grouped_mm" if major >= 9 and facts.grouped_mm_groups else "loop"
+
+
+def resolve_encoded(x: torch.Tensor, l1_weights: torch.Tensor, *, backend: str = "auto", recipe: str = "bf16",
+                    group=None) -> str:
+    """The plan for one call, as the string the custom ops take (arguments already validated by
+    :func:`deep_gemm_ext.validation.validate_inputs`). Under torch.compile it is a constant of the graph."""
+    num_experts, two_i, hidden = l1_weights.shape
+    facts = shape_facts(hidden, two_i // 2, num_experts)
+    return _resolve_encoded(x.device.type, -1 if x.device.index is None else x.device.index, x.dtype, *facts,
+                            backend, recipe)
+
+
+def resolve(x: torch.Tensor, l1_weights: torch.Tensor, *, backend: str = "auto", recipe: str = "bf16",
+            group=None) -> Plan:
+    """:func:`resolve_encoded`, decoded."""
+    return Plan.decode(resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, group=group))
+
+
+@torch._dynamo.assume_constant_result
+def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm90_gemm: bool, swiglu_epilogue: bool,
+                     grouped_mm_groups: bool, backend: str, recipe: str) -> str:
+    device = torch.device(device_type) if device_index < 0 else torch.device(device_type, device_index)
+    facts = ShapeFacts(sm90_gemm, swiglu_epilogue, grouped_mm_groups)
+    provider = choose_provider(device, dtype, facts, backend)
+    gemms = PROVIDERS[provider]
+    precision = _RECIPE_OBJECTS[recipe]
+    compute = {torch.float64: "float64", torch.bfloat16: "bfloat16"}.get(gemms.compute_dtype(dtype), "float32")
+    jit = jit_available(device)
+    gather_mode = _env.fused_gather()
+    gather_x = gather_mode if (gather_mode is not None and gemms.gathers) else ""
+    plan = Plan(
+        provider=provider,
+        recipe=recipe,
+        exchange="local",
+        align=gemms.row_alignment,
+        compute_dtype=compute,
+        jit_routing=jit,
+        jit_elementwise=jit and compute == "bfloat16",
+        gather_x=gather_x,
+        gather_backward=bool(gather_x) and _env.fused_gather_backward(),
+        combine_epilogue=gemms.supports(precision, ScatterSlots, facts) and _env.fused_combine(),
+        swiglu_epilogues=(_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
+                          and gemms.supports(precision, SwigluBackward, facts)),
+        check_ids=_env.check_ids(),
+    )
+    return plan.encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks of the options (the tensors are checked in validation.py).
+
+
+def unsupported_shape_reason(hidden: int, intermediate: int, recipe: str = "bf16",
+                             device_type: str = "cuda") -> str | None:
+    """Why ``(hidden, intermediate)`` cannot run under ``recipe`` on ``device_type``; None if it can."""
+    if recipe not in RECIPES:
+        return f"recipe={recipe!r} is not supported; expected one of {RECIPES}"
+    if hidden <= 0 or intermediate <= 0:
+        return f"hidden={hidden} and intermediate={intermediate} must be positive"
+    if device_type == "cuda":
+        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+            if value % _GPU_DIM_MULTIPLE:
+                return (f"{name}={value} is not a multiple of {_GPU_DIM_MULTIPLE}, which the bf16 GPU "
+                        f"path needs for 16-byte aligned rows")
+    return None
+
+
+def check_options(backend, recipe) -> None:
+    """``backend`` and ``recipe`` name something this package runs."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
+    recipes = BACKEND_RECIPES[backend]
+    if not isinstance(recipe, str) or recipe not in recipes:
+        raise ValueError(f"recipe={recipe!r} is not supported by backend={backend!r}; expected one of {recipes}")
+
+
+def shape_reason_for_backend(backend: str, recipe: str, device: torch.device, hidden: int,
+                             intermediate: int) -> str | None:
+    """:func:`unsupported_shape_reason`, then what the chosen backend itself needs (DeepGEMM must be
+    importable and the GPU an SM90 / SM100 one); raises DeepGEMM's install hint when it is missing."""
+    reason = unsupported_shape_reason(hidden, intermediate, "bf16", device.type)
+    if reason is None and backend == "deep_gemm":
+        deepgemm = PROVIDERS["deep_gemm"]
+        if device.type != "cuda":
+            reason = f"backend='deep_gemm' needs CUDA tensors, got x on {device}"
+        elif not deepgemm.is_available():
+            deepgemm.require()  # raises RuntimeError saying how to install DeepGEMM
+            reason = (f"backend='deep_gemm' needs an SM90 or SM100 GPU, got compute capability "
+                      f"{torch.cuda.get_device_capability(device)}")
+        else:
+            reason = deepgemm.unsupported_shape_reason(hidden, intermediate, _RECIPE_OBJECTS[recipe])
+    return reason

@@ -1,0 +1,82 @@
+"""The interface every GEMM provider implements: M-grouped and K-grouped GEMMs over the expert pool.
+
+The pool (deep_gemm_ext.routing) holds each expert's rows contiguously, ``[starts[e], ends[e])``,
+padded to the provider's ``row_alignment``. Two GEMM shapes cover the whole layer:
+
+    m_grouped(a, w, meta, "nt")   out[r] = a[r] @ w[e].T    w [E, N, K]    L1 / L2 forward
+    m_grouped(a, w, meta, "nn")   out[r] = a[r] @ w[e]      w [E, K, N]    L2 / L1 data gradients
+    k_grouped(a, b, meta)         out[e] = a_e.T @ b_e                     weight gradients
+
+and each may carry, where ``supports`` says so:
+- a gathered operand (:class:`Gather`): ``a`` (or ``b``) is a token matrix [T, C] and pool row r reads
+  its row ``row_to_slot[r] // top_k`` (zeros for padding rows), so no pool is built;
+- an epilogue other than the plain store: :class:`ScatterSlots` (rows into top-k slot order, for the
+  combine), :class:`SwigluForward` (h and act from the L1 GEMM), :class:`SwigluBackward` (dh,
+  <da', act> and w * act from the L2 data gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..routing import RoutingMeta
+
+
+class Gather(NamedTuple):
+    """Pool row r of the operand is row ``row_to_slot[r] // top_k`` of a token matrix; ``mode`` names
+    the loader ("cp_async" or "tma")."""
+    row_to_slot: torch.Tensor
+    top_k: int
+    mode: str = "cp_async"
+
+
+@dataclass(frozen=True)
+class ScatterSlots:
+    """Output row r goes to row ``row_to_slot[r]`` of a [T*K, N] output in top-k slot order, times that
+    slot's ``weights`` (in fp32, before the one rounding) when given. Returns the slot-ordered output."""
+    weights: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SwigluForward:
+    """The L1 forward's epilogue: returns ``(h, act)`` with ``act = SwiGLU(h)`` (clamped by ``clamp``)."""
+    clamp: float | None = None
+
+
+@dataclass(frozen=True)
+class SwigluBackward:
+    """The L2 data gradient's epilogue: from ``da' = a @ w[e]`` returns ``(dh, <da', act>, w * act)``."""
+    h: torch.Tensor
+    row_weight: torch.Tensor
+    clamp: float | None = None
+
+
+class GemmProvider:
+    """Grouped GEMMs of one library. Subclasses set the class attributes and implement the two GEMMs."""
+
+    #: Rows per expert group the provider needs (the pool's padding).
+    row_alignment: int = 1
+    #: The M-grouped GEMM takes a :class:`Gather` operand.
+    gathers: bool = False
+
+    def compute_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the pool, h and the GEMMs for inputs of ``x_dtype``."""
+        return torch.bfloat16
+
+    def supports(self, recipe, epilogue: type, facts) -> bool:
+        """The M-grouped GEMM runs ``epilogue`` (a class above) under ``recipe`` for a layer of these
+        sizes (``facts``: deep_gemm_ext.plan.ShapeFacts)."""
+        return False
+
+    def m_grouped(self, a: torch.Tensor, w, meta: RoutingMeta, layout: str, *, recipe, gather: Gather | None = None,
+                  epilogue=None, zero_unowned: bool = False):
+        """``layout`` "nt" or "nn" as above. Rows no expert owns (past ``meta.ends[-1]``) are left
+        unwritten unless ``zero_unowned``."""
+        raise NotImplementedError
+
+    def k_grouped(self, a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta, *, recipe, gather_a: Gather | None = None,
+                  gather_b: Gather | None = None) -> torch.Tensor:
+        """[E, a.shape[1], b.shape[1]]; zero for experts without rows."""
+        raise NotImplementedError

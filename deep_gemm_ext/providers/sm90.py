@@ -1,0 +1,55 @@
+"""Our SM90 grouped GEMMs (deep_gemm_ext.jit_kernels.sm90_bf16_grouped_gemm): every epilogue and the
+gathering prologue."""
+from __future__ import annotations
+
+from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
+from .base import GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
+
+try:
+    from .. import jit_kernels as _kernels
+except ImportError:  # no cuda-python: the provider is never chosen (plan.jit_available is False)
+    _kernels = None
+
+
+def _gather(g: Gather | None, src):
+    """The kernels' Gather for ``g``, and the token matrix, copied when cp.async could not read it
+    (16-byte chunks need a 16-byte aligned base; a fresh copy is aligned)."""
+    if g is None:
+        return None, src
+    if g.mode == "cp_async" and src.data_ptr() % 16:
+        src = src.clone()
+    return _kernels.Gather(g.row_to_slot, g.top_k, g.mode), src
+
+
+class Sm90Provider(GemmProvider):
+    row_alignment = TOKEN_GROUP_ALIGNMENT
+    gathers = True
+
+    def supports(self, recipe, epilogue, facts):
+        if recipe.fp8:
+            return False
+        if epilogue in (SwigluForward, SwigluBackward):
+            return facts.swiglu_epilogue
+        return True
+
+    def m_grouped(self, a, w, meta: RoutingMeta, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):
+        k = _kernels
+        g, a = _gather(gather, a)
+        if isinstance(epilogue, SwigluForward):
+            # h is an output of the layer: rows no expert owns are zero rather than stale memory.
+            h_out = a.new_zeros(meta.num_pool_rows, w.shape[1])
+            return k.m_grouped_bf16_gemm_nt_swiglu(a, w, meta.starts, meta.ends, epilogue.clamp, h_out=h_out, gather=g)
+        if isinstance(epilogue, SwigluBackward):
+            return k.m_grouped_bf16_gemm_nn_swiglu_bwd(a, w, epilogue.h, epilogue.row_weight, meta.starts, meta.ends,
+                                                       epilogue.clamp, gather=g)
+        gemm = k.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else k.m_grouped_bf16_gemm_nn_contiguous
+        if isinstance(epilogue, ScatterSlots):
+            scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
+            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g)
+        out = a.new_zeros(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2]) if zero_unowned else None
+        return gemm(a, w, meta.starts, meta.ends, out, gather=g)
+
+    def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
+        ga, a = _gather(gather_a, a)
+        gb, b = _gather(gather_b, b)
+        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb)
