@@ -101,9 +101,13 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
-def check_ids() -> bool:
-    """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
-    return os.environ.get("DGE_CHECK_IDS", "1") != "0"
+def check_ids() -> bool | None:
+    """DGE_CHECK_IDS: 1 checks topk_idx's range on the host (one sync per forward on a GPU), 0 never
+    does; unset (the default) checks on the host for CPU tensors only, and leaves GPU tensors to a
+    device-side assertion (no sync)."""
+    if not os.environ.get("DGE_CHECK_IDS", "").strip():
+        return None
+    return _flag("DGE_CHECK_IDS")
 
 
 def cuda_home() -> Path | None:

@@ -61,7 +61,8 @@ class Plan:
     gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x)
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
-    check_ids         check topk_idx on the host (one sync) when not capturing a CUDA graph
+    check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
+                      device-side assertion)
     """
 
     provider: str
@@ -238,7 +239,8 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         combine_epilogue=gemms.supports(precision, ScatterSlots, facts) and _env.fused_combine(),
         swiglu_epilogues=(_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
                           and gemms.supports(precision, SwigluBackward, facts)),
-        check_ids=_env.check_ids(),
+        # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
+        check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
     )
     return plan.encode()
 

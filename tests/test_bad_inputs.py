@@ -227,7 +227,9 @@ def test_error(bad):
 @requires_cuda
 # backend-deep-gemm-cpu is about CPU tensors: on CUDA tensors it is the backend-deep-gemm-missing row.
 @pytest.mark.parametrize("bad", [e for e in ERRORS if e.id != "backend-deep-gemm-cpu"], ids=lambda e: e.id)
-def test_error_on_gpu(bad):
+def test_error_on_gpu(bad, monkeypatch):
+    # The host check of expert ids is opt-in on the GPU (by default a device-side assertion does it).
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")
     if bad.id == "backend-deep-gemm-missing":
         from deep_gemm_ext.providers import deepgemm
         if deepgemm.is_available():
@@ -413,14 +415,16 @@ x, idx, w, l1, l2 = make_inputs(64, 128, 64, 8, 4, device="cuda", seed=0, requir
 
 
 @requires_cuda
-def test_gpu_unchecked_out_of_range_id_asserts_on_device():
-    """DGE_CHECK_IDS=0 (or inside CUDA graph capture): a bad id trips a device-side assertion."""
+@pytest.mark.parametrize("check_ids", ["", "0"], ids=["default", "off"])
+def test_gpu_unchecked_out_of_range_id_asserts_on_device(check_ids):
+    """By default on a GPU, with DGE_CHECK_IDS=0, or inside CUDA graph capture: a bad id trips a
+    device-side assertion (no host sync)."""
     r = _child(_GPU_ARGS + """
 idx[3, 1] = 8
 dge.mega_moe_train(x, idx, w, l1, l2)
 torch.cuda.synchronize()
 print("NO ERROR")
-""", env={"DGE_CHECK_IDS": "0"})
+""", env={"DGE_CHECK_IDS": check_ids})
     assert "NO ERROR" not in r.stdout, "an out-of-range id went through without any error"
     assert "device-side assert" in r.stderr or "topk_idx holds ids outside" in r.stderr, r.stderr[-2000:]
 

@@ -96,7 +96,10 @@ def test_bit_identical_repeats():
         assert all(torch.equal(a, b) for a, b in zip(first[1], again[1]))
 
 
-def test_out_of_range_id_is_an_error():
+def test_out_of_range_id_is_an_error(monkeypatch):
+    """With the host check (DGE_CHECK_IDS=1; by default the GPU asserts on the device instead,
+    tests/test_bad_inputs.py)."""
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")
     x, idx, w, l1, l2 = make_inputs(64, 256, 128, 16, 4, device="cuda")
     idx = idx.clone()
     idx[3, 1] = 16
