@@ -106,6 +106,11 @@ def check_ids() -> bool:
     return os.environ.get("DGE_CHECK_IDS", "1") != "0"
 
 
+def commit_label() -> str | None:
+    """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
+    return os.environ.get("DGE_COMMIT") or None
+
+
 def cuda_home() -> Path | None:
     """CUDA_HOME (or CUDA_PATH): the CUDA toolkit the JIT takes nvcc and headers from."""
     value = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
