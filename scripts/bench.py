@@ -300,8 +300,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
     could not be checked or timed), ratios against this run's two grouped_mm rows."""
     inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
                          device=device, seed=1234)
-    if hasattr(torch, "_dynamo"):
-        torch._dynamo.reset()  # a fresh cache per workload: the dynamo cache limit counts shapes
+    torch._dynamo.reset()  # a fresh cache per workload: the dynamo cache limit counts shapes
     rows = {}
     for key, impl in impls.items():
         impl_name, backend, recipe = key

@@ -19,7 +19,7 @@ old tree needs only its package. Git is not used: a tree is any directory holdin
 (a ``git worktree`` or an unpacked ``git archive``).
 
     python scripts/compare_trees.py /tmp/old-tree .                    # on the GPU
-    python scripts/compare_trees.py /tmp/old-tree . --bench --bench-args "--workloads qwen3-30b-a3b-t4096"
+    python scripts/compare_trees.py /tmp/old-tree . --bench --bench-args="--workloads qwen3-30b-a3b-t4096"
     python scripts/compare_trees.py . . --device cpu                   # tiny cases on the CPU
 
 Comparing a tree with itself checks that the layer is deterministic run to run.
@@ -211,6 +211,20 @@ def _last_table(text: str) -> str:
     return "\n".join(lines[start:end]) or "(no table in the output)"
 
 
+def prebuild(label: str, tree: Path, cache: Path, work: Path) -> None:
+    """Every kernel of the tree compiled into its cache, in parallel (a tree without the build command
+    compiles on first use)."""
+    if not (tree / "deep_gemm_ext" / "jit" / "__main__.py").is_file():
+        print(f"[{label}] no `python -m deep_gemm_ext.jit build` in this tree: kernels compile on first use")
+        return
+    cmd = [sys.executable, "-m", "deep_gemm_ext.jit", "build", "--arch", "sm_90a", "--all", "-j", str(os.cpu_count())]
+    proc = subprocess.run(cmd, env=_tree_env(tree, cache, label), cwd=work, capture_output=True, text=True)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    print(f"[{label}] jit build exit {proc.returncode}: {last}", flush=True)
+    if proc.returncode:
+        sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
 def run_bench(trees: dict, caches: dict, bench_args: list[str], rounds: int) -> list[str]:
     """scripts/bench.py of each tree, alternating a, b per round; the table each one ended with."""
     reports = []
@@ -244,6 +258,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-root", type=Path, default=None,
                    help="JIT caches <root>/a and <root>/b (default: under the work dir); reuse one to skip rebuilds")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.add_argument("--prebuild", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile each tree's kernels in parallel first (python -m deep_gemm_ext.jit build "
+                        "--all) rather than one by one on first use; default on for cuda")
     p.add_argument("--bench", action="store_true", help="also run each tree's scripts/bench.py, alternately")
     p.add_argument("--bench-args", default="", help="arguments for bench.py (one string)")
     p.add_argument("--bench-rounds", type=int, default=1)
@@ -253,6 +270,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.fuzz_seeds is None:
         args.fuzz_seeds = DEFAULT_FUZZ_SEEDS[args.device]
+    if args.prebuild is None:
+        args.prebuild = args.device == "cuda"
     if args.env_fuzz_seeds is None:
         args.env_fuzz_seeds = DEFAULT_ENV_FUZZ_SEEDS[args.device]
     if args.child is None:
@@ -278,6 +297,8 @@ def main(argv=None) -> int:
                   "--env-fuzz-seeds", str(args.env_fuzz_seeds)]
     failed = []
     for label, tree in trees.items():
+        if args.prebuild:
+            prebuild(label, tree, caches[label], work)
         print(f"[{label}] {tree}: running the cases (JIT cache {caches[label]})", flush=True)
         rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *child_args, "--child", str(tree),
                              "--child-out", str(work / label), "--label", label],
