@@ -196,8 +196,10 @@ def compare_case(entry_a: dict | None, entry_b: dict | None, dir_a: Path, dir_b:
 
 
 def _tree_env(tree: Path, cache: Path, label: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), DGE_JIT_CACHE_DIR=str(cache), DGE_COMMIT=f"{label}:{tree}")
-    return env
+    """The tree first on PYTHONPATH (the child checks that its deep_gemm_ext came from there; what
+    followed stays reachable, e.g. liger_kernel unpacked on a path), its own JIT cache."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, DGE_JIT_CACHE_DIR=str(cache), DGE_COMMIT=f"{label}:{tree}")
 
 
 def _last_table(text: str) -> str:
