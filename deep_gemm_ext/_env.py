@@ -110,6 +110,11 @@ def check_ids() -> bool | None:
     return _flag("DGE_CHECK_IDS")
 
 
+def commit_label() -> str | None:
+    """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
+    return os.environ.get("DGE_COMMIT") or None
+
+
 def cuda_home() -> Path | None:
     """CUDA_HOME (or CUDA_PATH): the CUDA toolkit the JIT takes nvcc and headers from."""
     value = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
