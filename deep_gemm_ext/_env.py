@@ -58,6 +58,12 @@ def jit_with_lineinfo() -> bool:
     return _flag("DGE_JIT_WITH_LINEINFO")
 
 
+def print_configs() -> bool:
+    """DGE_PRINT_CONFIGS: print the chosen SM90 GEMM config (tile, stages, grid, smem) of every launch
+    to stderr."""
+    return _flag("DGE_PRINT_CONFIGS")
+
+
 def use_jit_kernels() -> bool:
     """DGE_DISABLE_JIT: set to 1 to run the GPU path on torch ops only (no JIT kernels)."""
     return not _flag("DGE_DISABLE_JIT")

@@ -2,7 +2,7 @@
 
 The L2 forward GEMM (weighted) and the L1 dgrad GEMM (unweighted) write pool row r into its token's
 top-k slot row_to_slot[r] of a [T*K, N] output, and combine_slots sums each token's K contiguous
-rows in k order (kernels/impls/sm90_bf16_grouped_gemm_combine.cuh).
+rows in k order (kernels/epilogue/sm90_scatter_slots.cuh).
 
 GPU (Hopper), with NaN-poisoned outputs on uniform / skewed / empty-expert / one-expert /
 unused-slot routings:
@@ -51,7 +51,7 @@ def test_combine_configs_exist():
                  "nn_n128_s6_scatter"):
         assert f"sm90_bf16_grouped_gemm_{name}" in names
     code = gg.GemmConfig("nt", 256, epilogue="scatter_weighted").code()
-    assert "EpilogueScatterSlots<true>" in code and "sm90_bf16_grouped_gemm_combine.cuh" in code
+    assert "EpilogueScatterSlots<true>" in code and "epilogue/sm90_scatter_slots.cuh" in code
     from deep_gemm_ext.jit_kernels import gather_combine
     names = [c[0] for c in gather_combine.configs()]
     assert "combine_slots_unweighted" in names and "combine_slots_weighted" in names

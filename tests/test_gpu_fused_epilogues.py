@@ -1,4 +1,4 @@
-"""SwiGLU epilogues of the SM90 grouped GEMM (kernels/impls/sm90_bf16_grouped_gemm_swiglu.cuh) against the
+"""SwiGLU epilogues of the SM90 grouped GEMM (kernels/epilogue/sm90_swiglu.cuh) against the
 unfused composition: the grouped GEMM, then deep_gemm_ext.elementwise.swiglu_forward / swiglu_backward in fp32
 torch, and an fp64 reference of both.
 
@@ -62,20 +62,20 @@ def test_fused_configs_render():
         assert f"sm90_bf16_grouped_gemm_nn_n256_s4_swiglu_bwd{clamp}" in names
         assert f"sm90_bf16_grouped_gemm_nn_n128_s6_swiglu_bwd{clamp}" in names
     code = gg.GemmConfig("nn", 256, epilogue="swiglu_bwd", clamp=True).code()
-    assert "EpilogueSwigluBackward<true>" in code and "sm90_bf16_grouped_gemm_swiglu.cuh" in code
+    assert "EpilogueSwigluBackward<true>" in code and "epilogue/sm90_swiglu.cuh" in code
     (_, code, is_gemm), = gg.row_weight_grad_configs()
     assert not is_gemm and code.count("swiglu_row_weight_grad_kernel<") == 1
 
 
 def _fused_configs():
-    return [c for c in gg.configs() if "swiglu" in c[0]] + [(*gg.row_weight_grad_configs()[0], None)]
+    return [c for c in gg.configs() if "swiglu" in c[0]] + gg.row_weight_grad_configs()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("config", _fused_configs(), ids=lambda c: c[0])
 def test_fused_configs_compile(config):
     from deep_gemm_ext.jit import compile_cached
-    name, code, is_gemm, _ = config
+    name, code, is_gemm = config
     entry = compile_cached(name, code, want_ptx=is_gemm)
     usage = entry.resources()
     assert usage and all(u.spill_bytes == 0 for u in usage), f"{name}: {usage}"

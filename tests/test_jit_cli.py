@@ -39,6 +39,7 @@ def test_cli_builds_the_routing_kernels(tmp_path):
 
 
 _NO_WGMMA_GEMM = """#include <common/utils.cuh>
+extern "C" __constant__ const unsigned int dge_dynamic_smem_bytes = 4096;
 template <int kN>
 __global__ void fake_gemm_kernel(float* out) { out[threadIdx.x] = kN; }
 template __global__ void fake_gemm_kernel<1>(float*);
@@ -61,10 +62,10 @@ def registry_entry():
 
 def test_cli_reports_wgmma_and_fails_on_errors(tmp_path, monkeypatch, capsys, registry_entry):
     monkeypatch.setenv("DGE_JIT_CACHE_DIR", str(tmp_path))
-    registry_entry("test_cli_fake_gemm", [("fake_gemm", _NO_WGMMA_GEMM, True, 4096)])
+    registry_entry("test_cli_fake_gemm", [("fake_gemm", _NO_WGMMA_GEMM, True)])
     assert cli.main(["build", "--only", "test_cli_fake_gemm"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("test_cli_fake_gemm"))
-    assert row.split()[5:7] == ["4096", "NO"]  # dynamic smem as declared; no wgmma in the PTX
+    assert row.split()[5:7] == ["4096", "NO"]  # dynamic smem as the source exports it; no wgmma in the PTX
 
     registry_entry("test_cli_broken", [("broken", _NO_WGMMA_GEMM.replace("kN;", "kN + nope;"), False)])
     assert cli.main(["build", "--only", "test_cli_broken"]) == 1

@@ -6,12 +6,35 @@ Prints ptxas' resource report per kernel and, for GEMM kernels, whether the PTX 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pkgutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from .compiler import DEFAULT_ARCH, compile_cached
-from .registry import Config, import_kernel_modules, registered_configs
+from .registry import Config, registered_configs
+from .runtime import SMEM_SYMBOL
+
+#: The package whose modules register the kernel configurations.
+KERNEL_PACKAGE = "deep_gemm_ext.jit_kernels"
+
+
+def import_kernel_modules() -> dict[str, Exception]:
+    """Import every module of KERNEL_PACKAGE so their ``@register`` hooks run; returns the modules
+    that failed to import, with their errors (one broken module must not hide the others' configs)."""
+    try:
+        package = importlib.import_module(KERNEL_PACKAGE)
+    except Exception as exc:
+        return {KERNEL_PACKAGE: exc}
+    failures = {}
+    for module in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{module.name}"
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            failures[name] = exc
+    return failures
 
 
 def _build_one(config: Config, arch: str):
@@ -37,7 +60,8 @@ def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]
         if usage is not None and usage.spill_bytes:
             problems.append(f"{config.name}: GEMM kernel spills {usage.spill_stores} B stores + "
                             f"{usage.spill_loads} B loads")
-    dyn = "-" if config.dynamic_smem is None else str(config.dynamic_smem)
+    smem = entry.exported_u32(SMEM_SYMBOL)
+    dyn = "-" if smem is None else str(smem)
     cells = [group, config.name,
              str(usage.registers) if usage else "?",
              f"{usage.spill_stores}+{usage.spill_loads}" if usage else "?",
@@ -71,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import_failures = [f"{name}: {type(exc).__name__}: {exc}" for name, exc in import_kernel_modules().items()]
     for failure in import_failures:
         print(f"{'FAILED' if args.all else 'WARNING'} import {failure}", file=sys.stderr)
-    selected = [(group, config) for group, configs in registered_configs(strict=False).items() for config in configs
+    selected = [(group, config) for group, configs in registered_configs().items() for config in configs
                 if args.all or any(s in group or s in config.name for s in args.only)]
     if not selected:
         print("no registered configuration matches", file=sys.stderr)

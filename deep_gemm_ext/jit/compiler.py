@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -434,6 +435,33 @@ class CacheEntry:
 
     def resources(self) -> list[ResourceUsage]:
         return parse_ptxas_log(self.ptxas_log())
+
+    def exported_u32(self, symbol: str) -> int | None:
+        """The initial value of a 4-byte ``extern "C" __constant__`` symbol of the cubin (a value
+        the kernel source computes for the host, e.g. its dynamic smem bytes), or None."""
+        return cubin_symbol_u32(self.cubin_path.read_bytes(), symbol)
+
+
+def cubin_symbol_u32(elf: bytes, symbol: str) -> int | None:
+    """Little-endian uint32 at ``symbol`` in a 64-bit ELF cubin (from its symbol table and the
+    initialised section that holds it), or None when the cubin has no such symbol."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError(f"cubin_symbol_u32: not a 64-bit ELF file (starts {elf[:5]!r})")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count = struct.unpack_from("<HH", elf, 0x3A)
+    # (name, type, flags, addr, offset, size, link, info, addralign, entsize) per section header
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
+    wanted = symbol.encode()
+    for _, kind, _, _, offset, size, link, _, _, sym_size in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        names = sections[link][4]
+        for at in range(offset, offset + size, sym_size):
+            name, _, _, section, value, length = struct.unpack_from("<IBBHQQ", elf, at)
+            end = elf.index(b"\0", names + name)
+            if elf[names + name:end] == wanted and length == 4 and 0 < section < count:
+                return struct.unpack_from("<I", elf, sections[section][4] + value)[0]
+    return None
 
 
 _key_locks: dict[str, threading.Lock] = {}
