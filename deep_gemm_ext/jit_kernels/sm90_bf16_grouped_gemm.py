@@ -583,7 +583,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     row_weight [P] fp32 (the top-k weight of each pool row, 0 on padding rows). Per pool row r of
     expert e, with ``da' = dy_pool[r] @ l2[e]`` kept in fp32 (never rounded to bf16) and act
     recomputed in fp32 from h exactly as swiglu_backward does:
-    ``dh = bf16(SwiGLU backward of w * da')`` (clamp masks as in unfused.swiglu_backward),
+    ``dh = bf16(SwiGLU backward of w * da')`` (clamp masks as in elementwise.swiglu_backward),
     ``act_w = bf16(w * act)``, ``d_row_weight = <da', act>`` summed in fp32 in a fixed order
     (deterministic: per-tile partials, then the tiles in column order). dh and act_w rows no expert
     owns are left unwritten; their d_row_weight is 0. ``block_n`` (128 or 256, default 256 where I
