@@ -169,12 +169,15 @@ def test_layer_fused_gather_bit_identical(backward, mode, fused_epilogues, clamp
 @needs_hopper
 def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER", "cp_async")
+    from deep_gemm_ext import plan
     x, idx, w, l1, l2 = make_inputs(256, 512, 256, 8, 4, device="cuda", seed=2)
-    outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
-    assert outs[1].shape == (0, 512), "the forward must not build the pool of x"
+    _, made = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, plan.resolve_encoded(x, l1))
+    h, row_to_slot = made[0], made[-1]
+    assert h.shape == (row_to_slot.shape[0], 2 * 256) and not any(t.shape == (h.shape[0], 512) for t in made), \
+        "the forward must not build the pool of x"
     monkeypatch.setenv("DGE_FUSED_GATHER", "0")
-    outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
-    assert outs[1].shape[0] == outs[-1].shape[0], "without the fused gather the pool is saved"
+    _, made = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, plan.resolve_encoded(x, l1))
+    assert made[0].shape == (made[-1].shape[0], 512), "without the fused gather the pool is saved"
 
 
 @needs_hopper

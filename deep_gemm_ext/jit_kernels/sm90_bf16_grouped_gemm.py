@@ -78,7 +78,7 @@ class Epilogue(NamedTuple):
 
 _SCATTER_ARGS = (KernelArg("out", "__nv_bfloat16*"), KernelArg("row_to_slot", "const int*"),
                  KernelArg("weights", "const float*", nullable=True), KernelArg("num_rows", "uint32_t"),
-                 KernelArg("num_slots", "uint32_t"), KernelArg("shape_n", "uint32_t"))
+                 KernelArg("num_slots", "uint32_t"), KernelArg("out_cols", "uint32_t"))
 _EPILOGUES = {
     "store": Epilogue("dge::gemm::EpilogueStoreBF16", "epilogue/sm90_store_bf16.cuh",
                       (KernelArg("tma_c", "CUtensorMap"),)),
@@ -435,7 +435,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         else:
             weights = scatter.weights.contiguous() if scatter.weights is not None else None
             epi_args = dict(out=out, row_to_slot=scatter.row_to_slot, weights=weights, num_rows=rows,
-                            num_slots=scatter.num_slots, shape_n=n)
+                            num_slots=scatter.num_slots, out_cols=n)
         _launch(config, a, b_map, epi_args, starts, ends, rows, n, k, -(-rows // _BLOCK_M) * num_n_blocks, gather)
     return out
 
