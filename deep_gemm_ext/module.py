@@ -31,6 +31,30 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                    l2: torch.Tensor, **options) -> torch.Tensor:
+    """``mega_moe_train`` over ``x [..., H]``, ``topk_idx`` / ``topk_weights [..., K]`` (weights of any
+    float dtype, computed in fp32, or fp64 for fp64 ``x``): leading dimensions are flattened and
+    restored, and under ``torch.autocast`` ``x`` and the weights are cast to the autocast dtype."""
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected topk_idx's shape "
+                         f"{tuple(topk_idx.shape)}")
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, l1, l2 = x.to(dtype), l1.to(dtype), l2.to(dtype)
+    weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    top_k = topk_idx.shape[-1]
+    flat_x = x.reshape(-1, x.shape[-1]).contiguous()
+    flat_idx = topk_idx.reshape(-1, top_k).contiguous()
+    flat_w = topk_weights.to(weight_dtype).reshape(-1, top_k).contiguous()
+    # The inputs are cast already; autocast must not re-cast the matmuls of the CPU path.
+    with torch.autocast(device_type, enabled=False):
+        y = mega_moe_train(flat_x, flat_idx, flat_w, l1, l2, **options)
+    # A 2-D input gets the op's output itself: FSDP2 warns about modules returning views.
+    return y if x.dim() == 2 else y.view(x.shape)
+
+
 class MegaMoE(nn.Module):
     """Routed SwiGLU experts computed by :func:`deep_gemm_ext.mega_moe_train`.
 
@@ -111,22 +135,8 @@ class MegaMoE(nn.Module):
                              f"top_k={self.top_k}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected its last dim to be hidden={self.hidden}")
-        l1, l2 = self.l1_weights, self.l2_weights
-        device_type = x.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        if autocast:
-            dtype = torch.get_autocast_dtype(device_type)
-            x, l1, l2 = x.to(dtype), l1.to(dtype), l2.to(dtype)
-        weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        flat_x = x.reshape(-1, self.hidden).contiguous()
-        flat_idx = topk_idx.reshape(-1, self.top_k).contiguous()
-        flat_w = topk_weights.to(weight_dtype).reshape(-1, self.top_k).contiguous()
-        # The inputs are cast already; autocast must not re-cast the matmuls of the CPU path.
-        with torch.autocast(device_type, enabled=False):
-            y = mega_moe_train(flat_x, flat_idx, flat_w, l1, l2, group=self.group, recipe=self.recipe,
-                               activation_clamp=self.activation_clamp, backend=self.backend)
-        # A 2-D input gets the op's output itself: FSDP2 warns about modules returning views.
-        return y if x.dim() == 2 else y.view(x.shape)
+        return experts_forward(x, topk_idx, topk_weights, self.l1_weights, self.l2_weights, group=self.group,
+                               recipe=self.recipe, activation_clamp=self.activation_clamp, backend=self.backend)
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}"]
