@@ -31,6 +31,19 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (FSDP2 shards by expert, dim 0), else the tensor:
+    an in-place init of a slice of a DTensor does not reach its storage, one of the shard's does."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+@torch.no_grad()
+def trunc_normal_fp32_(view: torch.Tensor, std: float) -> None:
+    """``nn.init.trunc_normal_(view, std=std)`` (truncated at +-2), drawn in fp32: in bf16 it rounds
+    some uniforms to exactly +-1, whose erfinv is +-inf, clamped to +-2 (std 0.1 instead of 0.02 on CUDA)."""
+    view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
+
+
 def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
                     l2: torch.Tensor, **options) -> torch.Tensor:
     """``mega_moe_train`` over ``x [..., H]``, ``topk_idx`` / ``topk_weights [..., K]`` (weights of any
@@ -119,15 +132,9 @@ class MegaMoE(nn.Module):
         std 0.02, the up (``w3``) and down (``w2``) projections std ``init_std``; all truncated at
         +-2 as ``nn.init.trunc_normal_`` does by default."""
         inter = self.intermediate
-        # Under FSDP2 the parameters are DTensors sharded by expert (dim 0): an in-place init of a
-        # slice of the DTensor does not reach its storage, an init of the local shard's slice does.
-        l1 = self.l1_weights.to_local() if hasattr(self.l1_weights, "to_local") else self.l1_weights
-        l2 = self.l2_weights.to_local() if hasattr(self.l2_weights, "to_local") else self.l2_weights
-        with torch.no_grad():
-            for view, std in ((l1[:, :inter], 0.02), (l1[:, inter:], init_std), (l2, init_std)):
-                # Drawn in fp32: trunc_normal_ in bf16 rounds some uniforms to exactly +-1, whose
-                # erfinv is +-inf, clamped to the +-2 bounds (std 0.1 instead of 0.02 on CUDA).
-                view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
+        l1, l2 = local_tensor(self.l1_weights), local_tensor(self.l2_weights)
+        for view, std in ((l1[:, :inter], 0.02), (l1[:, inter:], init_std), (l2, init_std)):
+            trunc_normal_fp32_(view, std)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if topk_idx.dim() < 1 or topk_idx.shape[-1] != self.top_k:
