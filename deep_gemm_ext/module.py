@@ -1,6 +1,6 @@
 """``MegaMoE``: the routed experts of an MoE layer as an ``nn.Module`` over ``mega_moe_train``.
 
-The module owns the two expert weight tensors in the layout of design.md §2 and nothing else:
+The module owns the two expert weight tensors in the layout of the contract (README) and nothing else:
 the router, the top-k choice and any shared expert stay with the caller, who passes
 ``topk_idx`` / ``topk_weights`` to :meth:`MegaMoE.forward`.
 """

@@ -9,7 +9,8 @@ import torch
 import deep_gemm_ext as dge
 from deep_gemm_ext.testing import make_inputs, rel_err
 
-from gpu_utils import reference_grads, requires_cuda
+from conftest import requires_cuda
+from gpu_utils import reference_grads
 
 pytestmark = requires_cuda
 

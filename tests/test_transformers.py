@@ -18,52 +18,9 @@ moe = pytest.importorskip("transformers.integrations.moe")
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext.integrations import transformers as dge_tf  # noqa: E402
 from deep_gemm_ext.testing import make_routing, rel_err  # noqa: E402
+from hf_utils import FAMILIES, experts_modules, loss_and_grads, tiny_config, tiny_model  # noqa: E402
 
 NAME = dge.register_transformers()
-COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def tiny_config(family: str):
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16, head_dim=8,
-                                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                                           decoder_sparse_step=1, mlp_only_layers=[])
-    if family == "mixtral":
-        return transformers.MixtralConfig(**COMMON, intermediate_size=16, head_dim=8, num_local_experts=8,
-                                          num_experts_per_tok=2)
-    if family == "deepseek_v3":  # first layer dense, then routed + shared experts, group-limited routing
-        return transformers.DeepseekV3Config(**COMMON, intermediate_size=48, moe_intermediate_size=16,
-                                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                             first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=16,
-                                             q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4)
-    if family == "olmoe":
-        return transformers.OlmoeConfig(**COMMON, intermediate_size=16, num_experts=8, num_experts_per_tok=2)
-    raise AssertionError(family)
-
-
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "olmoe"]
-
-
-def experts_modules(model):
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
-
-
-def tiny_model(family: str, dtype=torch.float64, seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), **kwargs).to(dtype)
-    with torch.no_grad():  # experts large enough that their output matters to the loss
-        for experts in experts_modules(model):
-            experts.gate_up_proj.normal_(0, 0.3)
-            experts.down_proj.normal_(0, 0.3)
-    return model
-
-
-def loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.fixture
