@@ -21,10 +21,16 @@ def _build_one(config: Config, arch: str):
         return None, exc
 
 
-def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]]:
-    problems = []
+def _short_name(group: str, name: str) -> str:
+    """The config's name without its group's prefix (the group heads its rows)."""
+    return name[len(group) + 1:] if name.startswith(group + "_") else name
+
+
+def _row(group: str, config: Config, entry, error, verbose: bool) -> tuple[list[str], list[str]]:
+    name = _short_name(group, config.name)
     if error is not None:
-        return [group, config.name, "ERROR", "", "", "", "", "", ""], [f"{config.name}: {error}"]
+        return [name, "ERROR"], [f"{config.name}: {error}"]
+    problems = []
     usages = entry.resources()
     if not usages:
         problems.append(f"{config.name}: no ptxas report in {entry.path / 'ptxas.log'}")
@@ -38,20 +44,36 @@ def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]
             problems.append(f"{config.name}: GEMM kernel spills {usage.spill_stores} B stores + "
                             f"{usage.spill_loads} B loads")
     dyn = "-" if config.dynamic_smem is None else str(config.dynamic_smem)
-    cells = [group, config.name,
+    # Entries are named <kernel>.<sha256>; a short prefix of the hash tells entries apart.
+    key = entry.path.name.rsplit(".", 1)[-1][:_SHORT_HASH]
+    cells = [name,
              str(usage.registers) if usage else "?",
              f"{usage.spill_stores}+{usage.spill_loads}" if usage else "?",
              str(usage.static_smem) if usage else "?", dyn, wgmma or "-",
-             f"{entry.seconds:.1f}s" if entry.compiled else "cached", str(entry.path.name)]
+             f"{entry.seconds:.1f}s" if entry.compiled else "cached", key]
+    if verbose:
+        cells.append(str(entry.path))
     return cells, problems
 
 
-def _print_table(rows: list[list[str]]) -> None:
-    header = ["group", "config", "regs", "spill st+ld B", "static smem B", "dyn smem B", "wgmma", "compile",
-              "cache entry"]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths]] + rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+_SHORT_HASH = 8
+_HEADER = ["config", "regs", "spill B", "smem B", "dyn smem", "wgmma", "compile", "key"]
+
+
+def _print_table(groups: list[tuple[str, list[list[str]]]], verbose: bool) -> None:
+    """One block per group (its name, then its configs indented), columns aligned across blocks."""
+    header = _HEADER + (["cache entry"] if verbose else [])
+    rows = [row for _, block in groups for row in block]
+    widths = [max(len(r[i]) for r in [header] + rows if i < len(r)) for i in range(len(header))]
+
+    def line(cells):
+        return ("  " + "  ".join(cell.ljust(width) for cell, width in zip(cells, widths))).rstrip()
+
+    print(line(header))
+    for group, block in groups:
+        print(group)
+        for row in block:
+            print(line(row))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--only", action="append", default=[],
                        help="configurations whose group or name contains this text (repeatable)")
     build.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    build.add_argument("-v", "--verbose", action="store_true", help="also print each cache entry's path")
     args = parser.parse_args(argv)
 
     if not args.all and not args.only:
@@ -80,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = list(pool.map(lambda item: _build_one(item[1], args.arch), selected))
 
-    rows, problems, failed = [], [], 0
+    groups: dict[str, list[list[str]]] = {}
+    problems, failed = [], 0
     for (group, config), (entry, error) in zip(selected, results):
-        cells, issues = _row(group, config, entry, error)
-        rows.append(cells)
+        cells, issues = _row(group, config, entry, error, args.verbose)
+        groups.setdefault(group, []).append(cells)
         problems += issues
         failed += bool(issues)
-    _print_table(rows)
+    _print_table(list(groups.items()), args.verbose)
     for problem in problems:
         print(f"FAILED {problem}", file=sys.stderr)
     print(f"{len(selected) - failed}/{len(selected)} configurations OK for {args.arch}")
