@@ -55,7 +55,7 @@ def test_cli_builds_the_routing_kernels(tmp_path):
     verbose = subprocess.run(command + ["-v"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert verbose.returncode == 0, verbose.stdout + verbose.stderr
     for cells in _block(verbose.stdout, "moe_routing").values():
-        assert cells[6] == "cached" and Path(cells[8]).parent == tmp_path / "kernels"
+        assert cells[6] == "hit" and Path(cells[8]).parent == tmp_path / "kernels"
 
 
 _NO_WGMMA_GEMM = """#include <common/utils.cuh>

@@ -71,11 +71,12 @@ class MegaGroupedExperts(nn.Module):
                              f"{tuple(topk_idx.shape)}")
         top_k, hidden = topk_idx.shape[-1], x.shape[-1]
         flat = inputs.reshape(-1, 1, hidden)
-        scaled = (flat.float() * topk_scores.reshape(-1, top_k, 1).float()).to(flat.dtype)
+        acc = torch.promote_types(flat.dtype, torch.float32)  # torchtitan scales in fp32
+        scaled = (flat.to(acc) * topk_scores.reshape(-1, top_k, 1).to(acc)).to(flat.dtype)
         slot_idx = topk_idx.reshape(-1, 1)
         ones = torch.ones(slot_idx.shape, device=x.device, dtype=torch.float32)
         per_slot = experts_forward(scaled.reshape(-1, hidden), slot_idx, ones, l1, w2, **options)
-        y = per_slot.view(-1, top_k, hidden).float().sum(dim=1)
+        y = per_slot.view(-1, top_k, hidden).to(acc).sum(dim=1)
         return y.to(x.dtype).view(x.shape)
 
     def extra_repr(self) -> str:

@@ -1,7 +1,9 @@
 """``python -m deep_gemm_ext.jit build --arch sm_90a --all``: compile every registered config (no GPU needed).
 
-Prints ptxas' resource report per kernel and, for GEMM kernels, whether the PTX issues
-``wgmma.mma_async``. Exits non-zero on a compile error or on register spills in a GEMM kernel.
+Prints ptxas' resource report per kernel (registers, spill and shared memory bytes), for GEMM
+kernels whether the PTX issues ``wgmma.mma_async``, the compile time and the start of the cache
+entry's hash (``-v``: the entry's path), within about 100 columns. Exits non-zero on a compile
+error or on register spills in a GEMM kernel.
 """
 from __future__ import annotations
 
@@ -50,14 +52,16 @@ def _row(group: str, config: Config, entry, error, verbose: bool) -> tuple[list[
              str(usage.registers) if usage else "?",
              f"{usage.spill_stores}+{usage.spill_loads}" if usage else "?",
              str(usage.static_smem) if usage else "?", dyn, wgmma or "-",
-             f"{entry.seconds:.1f}s" if entry.compiled else "cached", key]
+             f"{entry.seconds:.1f}s" if entry.compiled else "hit", key]
     if verbose:
         cells.append(str(entry.path))
     return cells, problems
 
 
 _SHORT_HASH = 8
-_HEADER = ["config", "regs", "spill B", "smem B", "dyn smem", "wgmma", "compile", "key"]
+# Sizes in bytes (spill: stores+loads; smem: static; dyn: dynamic shared memory); build: compile seconds,
+# or "hit" for a cache hit; key: the start of the cache entry's hash.
+_HEADER = ["config", "regs", "spill", "smem", "dyn", "wgmma", "build", "key"]
 
 
 def _print_table(groups: list[tuple[str, list[list[str]]]], verbose: bool) -> None:
