@@ -2,8 +2,11 @@
 (import it after ``pytest.importorskip("transformers")``)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
+
+from deep_gemm_ext.integrations import transformers as dge_tf
 
 
 def tiny_config(family: str, hidden: int = 32, inter: int = 16, experts: int = 8, top_k: int = 2):
@@ -53,3 +56,17 @@ def loss_and_grads(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def layer_calls(monkeypatch):
+    """Counts the layer calls our experts function makes, so a silent fallback to eager fails."""
+    count = [0]
+    inner = dge_tf.experts_forward
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(dge_tf, "experts_forward", counting)
+    return count

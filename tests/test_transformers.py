@@ -18,23 +18,9 @@ moe = pytest.importorskip("transformers.integrations.moe")
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext.integrations import transformers as dge_tf  # noqa: E402
 from deep_gemm_ext.testing import make_routing, rel_err  # noqa: E402
-from hf_utils import FAMILIES, experts_modules, loss_and_grads, tiny_config, tiny_model  # noqa: E402
+from hf_utils import FAMILIES, experts_modules, layer_calls, loss_and_grads, tiny_config, tiny_model  # noqa: E402,F401
 
 NAME = dge.register_transformers()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts the layer calls our experts function makes, so a silent fallback to eager fails."""
-    count = [0]
-    inner = dge_tf.experts_forward
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(dge_tf, "experts_forward", counting)
-    return count
 
 
 def test_register_is_idempotent_and_returns_the_name():
@@ -44,14 +30,14 @@ def test_register_is_idempotent_and_returns_the_name():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_every_gradient_match_eager(family, dtype, tol, calls):
+def test_loss_and_every_gradient_match_eager(family, dtype, tol, layer_calls):
     model = tiny_model(family, dtype, experts_implementation="eager")
     ids = torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     loss_ref, grads_ref = loss_and_grads(model, ids)
     model.set_experts_implementation(NAME)
     assert model.config._experts_implementation == NAME
     loss, grads = loss_and_grads(model, ids)
-    assert calls[0] == len(experts_modules(model)) > 0
+    assert layer_calls[0] == len(experts_modules(model)) > 0
     assert abs(loss.item() - loss_ref.item()) <= tol * abs(loss_ref.item())
     assert grads.keys() == grads_ref.keys()
     for name, grad in grads.items():
@@ -69,7 +55,7 @@ def test_computes_on_the_module_parameters_without_a_copy():
     assert l1 is experts.gate_up_proj and l2 is experts.down_proj
 
 
-def test_from_config_and_from_pretrained(tmp_path, calls):
+def test_from_config_and_from_pretrained(tmp_path, layer_calls):
     ids = torch.randint(3, 64, (1, 16), generator=torch.Generator().manual_seed(2))
     saved = tiny_model("qwen3_moe", torch.float32)
     saved.save_pretrained(tmp_path)
@@ -79,7 +65,7 @@ def test_from_config_and_from_pretrained(tmp_path, calls):
                                                               dtype=torch.float64)
     assert loaded.config._experts_implementation == NAME
     loss, loss_ref = (m(input_ids=ids, labels=ids).loss.item() for m in (loaded, eager))
-    assert calls[0] == 2 and abs(loss - loss_ref) < 1e-10 * loss_ref
+    assert layer_calls[0] == 2 and abs(loss - loss_ref) < 1e-10 * loss_ref
     fresh = transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation=NAME)
     assert fresh.config._experts_implementation == NAME
 
