@@ -14,6 +14,19 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs an SM90 (Hopper) GPU")
 
 
+def _has_compiler() -> bool:
+    from deep_gemm_ext.jit import compiler
+    try:
+        compiler.select_compiler()
+        return True
+    except RuntimeError:
+        return False
+
+
+# Building kernels needs nvcc or NVRTC, not a GPU.
+requires_compiler = pytest.mark.skipif(not _has_compiler(), reason="no nvcc and no NVRTC here")
+
+
 def poison_cached_memory(byte: int = 0xFF, reserve_bytes: int = 4 << 30) -> None:
     """Fill every block the CUDA caching allocator may hand out next with ``byte`` (0xFF: NaN in
     bf16 / fp32, -1 in integers), so an output element a kernel forgets to write shows up.

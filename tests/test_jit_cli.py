@@ -12,15 +12,11 @@ from deep_gemm_ext import jit
 from deep_gemm_ext.jit import __main__ as cli
 from deep_gemm_ext.jit import compiler
 
+from conftest import requires_compiler
+
 REPO = Path(__file__).resolve().parents[1]
 
-try:
-    compiler.select_compiler()
-    HAS_COMPILER = True
-except RuntimeError:
-    HAS_COMPILER = False
-
-pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no nvcc and no NVRTC here")
+pytestmark = requires_compiler
 
 
 def _block(stdout: str, group: str) -> dict[str, list[str]]:
