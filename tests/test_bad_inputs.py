@@ -27,11 +27,11 @@ from deep_gemm_ext.reference import reference_forward  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch, pool_rows  # noqa: E402
 from deep_gemm_ext.testing import make_inputs, rel_err  # noqa: E402
 
+from conftest import requires_cuda  # noqa: E402
 from fuzz_utils import NONFINITE_SCENARIOS, check_nonfinite  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "README.md"
 REPO = Path(__file__).resolve().parents[1]
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 T, H, I, E, K = 8, 16, 8, 4, 2
 
@@ -118,6 +118,8 @@ ERRORS = [
     BadInput("l1-rank", "l1_weights is 2-D", _with(l1_weights=lambda a: a["l1_weights"][0]), ValueError),
     BadInput("l1-odd-rows", "l1_weights has an odd number of rows (not [gate; up])",
              _with(l1_weights=lambda a: a["l1_weights"][:, :15].contiguous()), ValueError),
+    BadInput("l1-gate-only", "l1_weights is [E, I, H] (the gate rows only, not [gate; up])",
+             _with(l1_weights=lambda a: a["l1_weights"][:, :I].contiguous()), ValueError),
     BadInput("l1-no-experts", "zero experts",
              _with(l1_weights=lambda a: a["l1_weights"][:0], l2_weights=lambda a: a["l2_weights"][:0]), ValueError),
     BadInput("l1-noncontiguous", "l1_weights is a strided view",

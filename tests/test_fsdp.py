@@ -11,6 +11,8 @@ from torch import nn
 
 import deep_gemm_ext as dge
 
+from conftest import requires_cuda
+
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
@@ -19,7 +21,7 @@ if not hasattr(fsdp, "fully_shard"):
 SETUPS = [
     pytest.param(("gloo", "cpu"), id="gloo-cpu"),
     pytest.param(("nccl", "cuda"), id="nccl-cuda",
-                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+                 marks=requires_cuda),
 ]
 T, H, I, E, K = 96, 64, 32, 8, 2
 

@@ -6,7 +6,8 @@ import torch
 
 from deep_gemm_ext.baselines import grouped_mm_moe, liger_fused_moe, liger_unavailable_reason
 from deep_gemm_ext.testing import make_inputs, rel_err
-from gpu_utils import poison_allocator, reference_grads, requires_cuda
+from conftest import poison_cached_memory, requires_cuda
+from gpu_utils import reference_grads
 
 NAMES = ("y", "dx", "dtopk_w", "dl1", "dl2")
 MAX_REL_ERR = 2e-2  # design.md §6
@@ -15,7 +16,7 @@ MAX_REL_ERR = 2e-2  # design.md §6
 def _errors(fn, routing, seed, shape=(512, 256, 128, 16, 4)):
     x, idx, w, l1, l2 = make_inputs(*shape, routing=routing, device="cuda", seed=seed)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).to("cuda", x.dtype)
-    poison_allocator()
+    poison_cached_memory()
     y = fn(x, idx, w, l1, l2)
     grads = torch.autograd.grad(y, (x, w, l1, l2), dy)
     y_ref, grads_ref = reference_grads(x, idx, w, l1, l2, None, dy)

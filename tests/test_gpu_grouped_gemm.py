@@ -16,8 +16,8 @@ from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
 
-_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
+from conftest import requires_hopper
+
 
 
 # -- CPU ----------------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _check_m_grouped(out, ref_fn, a, starts, ends):
             assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
 @pytest.mark.parametrize("n,k", [(1536, 2048), (1000, 1000), (384, 256)])
 def test_nt(routing, n, k):
@@ -143,7 +143,7 @@ def test_nt(routing, n, k):
     _check_m_grouped(out, lambda e, ae: ae @ b[e].float().T, a, starts, ends)
 
 
-@needs_hopper
+@requires_hopper
 def test_nt_paired_matches_plain():
     a, starts, ends = _pool(2048, 8, 8, "uniform", 512, seed=3)
     b = (torch.randn(8, 1536, 512, device="cuda") / 512 ** 0.5).to(torch.bfloat16)
@@ -153,7 +153,7 @@ def test_nt_paired_matches_plain():
     assert torch.equal(plain[:used], paired[:used])
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "empty_experts"])
 @pytest.mark.parametrize("n,k", [(768, 2048), (2048, 1536), (200, 128)])
 def test_nn(routing, n, k):
@@ -164,7 +164,7 @@ def test_nn(routing, n, k):
     _check_m_grouped(out, lambda e, ae: ae @ b[e].float(), a, starts, ends)
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts"])
 @pytest.mark.parametrize("m,n", [(1536, 2048), (256, 384)])
 def test_tn(routing, m, n):
@@ -181,7 +181,7 @@ def test_tn(routing, m, n):
             assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
 
 
-@needs_hopper
+@requires_hopper
 def test_print_configs_knob(monkeypatch, capfd):
     a, starts, ends = _pool(300, 4, 2, "uniform", 256, seed=5)
     b = torch.randn(4, 384, 256, device="cuda").to(torch.bfloat16)
@@ -195,7 +195,7 @@ def test_print_configs_knob(monkeypatch, capfd):
     assert "sm90_bf16_grouped_gemm" not in capfd.readouterr().err
 
 
-@needs_hopper
+@requires_hopper
 def test_no_tokens_writes_nothing():
     a, starts, ends = _pool(0, 8, 4, "uniform", 256, seed=0)
     b = torch.randn(8, 256, 256, device="cuda").to(torch.bfloat16)
@@ -205,7 +205,7 @@ def test_no_tokens_writes_nothing():
     assert torch.isnan(out.float()).all()
 
 
-@needs_hopper
+@requires_hopper
 def test_shape_errors():
     a = torch.zeros(256, 100, dtype=torch.bfloat16, device="cuda")
     b = torch.zeros(2, 64, 100, dtype=torch.bfloat16, device="cuda")

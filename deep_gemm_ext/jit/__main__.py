@@ -1,7 +1,9 @@
 """``python -m deep_gemm_ext.jit build --arch sm_90a --all``: compile every registered config (no GPU needed).
 
-Prints ptxas' resource report per kernel and, for GEMM kernels, whether the PTX issues
-``wgmma.mma_async``. Exits non-zero on a compile error or on register spills in a GEMM kernel.
+Prints ptxas' resource report per kernel (registers, spill and shared memory bytes), for GEMM
+kernels whether the PTX issues ``wgmma.mma_async``, the compile time and the start of the cache
+entry's hash (``-v``: the entry's path), within about 100 columns. Exits non-zero on a compile
+error or on register spills in a GEMM kernel.
 """
 from __future__ import annotations
 
@@ -44,10 +46,16 @@ def _build_one(config: Config, arch: str):
         return None, exc
 
 
-def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]]:
-    problems = []
+def _short_name(group: str, name: str) -> str:
+    """The config's name without its group's prefix (the group heads its rows)."""
+    return name[len(group) + 1:] if name.startswith(group + "_") else name
+
+
+def _row(group: str, config: Config, entry, error, verbose: bool) -> tuple[list[str], list[str]]:
+    name = _short_name(group, config.name)
     if error is not None:
-        return [group, config.name, "ERROR", "", "", "", "", "", ""], [f"{config.name}: {error}"]
+        return [name, "ERROR"], [f"{config.name}: {error}"]
+    problems = []
     usages = entry.resources()
     if not usages:
         problems.append(f"{config.name}: no ptxas report in {entry.path / 'ptxas.log'}")
@@ -62,20 +70,38 @@ def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]
                             f"{usage.spill_loads} B loads")
     smem = entry.exported_u32(SMEM_SYMBOL)
     dyn = "-" if smem is None else str(smem)
-    cells = [group, config.name,
+    # Entries are named <kernel>.<sha256>; a short prefix of the hash tells entries apart.
+    key = entry.path.name.rsplit(".", 1)[-1][:_SHORT_HASH]
+    cells = [name,
              str(usage.registers) if usage else "?",
              f"{usage.spill_stores}+{usage.spill_loads}" if usage else "?",
              str(usage.static_smem) if usage else "?", dyn, wgmma or "-",
-             f"{entry.seconds:.1f}s" if entry.compiled else "cached", str(entry.path.name)]
+             f"{entry.seconds:.1f}s" if entry.compiled else "hit", key]
+    if verbose:
+        cells.append(str(entry.path))
     return cells, problems
 
 
-def _print_table(rows: list[list[str]]) -> None:
-    header = ["group", "config", "regs", "spill st+ld B", "static smem B", "dyn smem B", "wgmma", "compile",
-              "cache entry"]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths]] + rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+_SHORT_HASH = 8
+# Sizes in bytes (spill: stores+loads; smem: static; dyn: dynamic shared memory); build: compile seconds,
+# or "hit" for a cache hit; key: the start of the cache entry's hash.
+_HEADER = ["config", "regs", "spill", "smem", "dyn", "wgmma", "build", "key"]
+
+
+def _print_table(groups: list[tuple[str, list[list[str]]]], verbose: bool) -> None:
+    """One block per group (its name, then its configs indented), columns aligned across blocks."""
+    header = _HEADER + (["cache entry"] if verbose else [])
+    rows = [row for _, block in groups for row in block]
+    widths = [max(len(r[i]) for r in [header] + rows if i < len(r)) for i in range(len(header))]
+
+    def line(cells):
+        return ("  " + "  ".join(cell.ljust(width) for cell, width in zip(cells, widths))).rstrip()
+
+    print(line(header))
+    for group, block in groups:
+        print(group)
+        for row in block:
+            print(line(row))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--only", action="append", default=[],
                        help="configurations whose group or name contains this text (repeatable)")
     build.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    build.add_argument("-v", "--verbose", action="store_true", help="also print each cache entry's path")
     args = parser.parse_args(argv)
 
     if not args.all and not args.only:
@@ -104,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = list(pool.map(lambda item: _build_one(item[1], args.arch), selected))
 
-    rows, problems, failed = [], [], 0
+    groups: dict[str, list[list[str]]] = {}
+    problems, failed = [], 0
     for (group, config), (entry, error) in zip(selected, results):
-        cells, issues = _row(group, config, entry, error)
-        rows.append(cells)
+        cells, issues = _row(group, config, entry, error, args.verbose)
+        groups.setdefault(group, []).append(cells)
         problems += issues
         failed += bool(issues)
-    _print_table(rows)
+    _print_table(list(groups.items()), args.verbose)
     for problem in problems:
         print(f"FAILED {problem}", file=sys.stderr)
     print(f"{len(selected) - failed}/{len(selected)} configurations OK for {args.arch}")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import logging
 import os
 import re
@@ -49,32 +47,8 @@ def kernels_dir() -> Path:
                        f"{package.parent / 'kernels'} is a directory")
 
 
-@functools.lru_cache(maxsize=None)
-def cutlass_include_dir() -> Path | None:
-    """CuTe/CUTLASS headers shipped by the ``nvidia-cutlass`` wheel, if installed (found without importing it)."""
-    spec = importlib.util.find_spec("cutlass_library")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        include = Path(location) / "source" / "include"
-        if (include / "cute").is_dir():
-            return include
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _cutlass_identity() -> str:
-    if cutlass_include_dir() is None:
-        return "cutlass:none"
-    try:
-        return "cutlass:" + importlib.metadata.version("nvidia-cutlass")
-    except importlib.metadata.PackageNotFoundError:
-        return f"cutlass:{cutlass_include_dir()}"
-
-
 def include_dirs() -> list[Path]:
-    dirs = [kernels_dir()]
-    if cutlass_include_dir() is not None:
-        dirs.append(cutlass_include_dir())
-    return dirs
+    return [kernels_dir()]
 
 
 def gencode_flag(arch: str) -> str:
@@ -87,7 +61,7 @@ def gencode_flag(arch: str) -> str:
 def included_headers(code: str, root: Path) -> dict[str, bytes]:
     """Every header under ``root`` that ``code`` includes, directly or transitively, by relative path.
 
-    Headers outside ``root`` (CUDA, CUTLASS, libc++) are keyed by the compiler / package version
+    Headers outside ``root`` (CUDA, libc++) are keyed by the compiler / package version
     instead. Conditional includes are followed too: over-keying is harmless, under-keying is not.
     """
     root = root.resolve()
@@ -124,7 +98,6 @@ def cache_key(code: str, flags: list[str], compiler_identity: str, arch: str, ro
     part("flags", "\0".join(flags).encode())
     part("compiler", compiler_identity.encode())
     part("arch", arch.encode())
-    part("deps", _cutlass_identity().encode())
     return digest.hexdigest()
 
 
