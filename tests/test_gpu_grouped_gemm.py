@@ -58,17 +58,17 @@ def test_pack_args_checks_every_declared_type():
     args = gg.GemmConfig("nt", 256, epilogue="scatter").args[len(gg.CORE_ARGS):]
     out = torch.zeros(4, 8, dtype=torch.bfloat16)
     slots = torch.zeros(4, dtype=torch.int32)
-    packed = jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=4, num_slots=4, shape_n=8)
+    packed = jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=4, num_slots=4, out_cols=8)
     assert packed[0] is out and packed[1] is slots and packed[2].value == 0
     assert [type(v) for v in packed[3:]] == [ctypes.c_uint32] * 3 and packed[5].value == 8
     with pytest.raises(TypeError, match=r"'out' \(__nv_bfloat16\*\): expected a torch.bfloat16 tensor, got a torch.float32"):
-        jit.pack_args("k", args, out=out.float(), row_to_slot=slots, weights=None, num_rows=4, num_slots=4, shape_n=8)
+        jit.pack_args("k", args, out=out.float(), row_to_slot=slots, weights=None, num_rows=4, num_slots=4, out_cols=8)
     with pytest.raises(TypeError, match=r"'num_rows' \(uint32_t\): expected an int in \[0, 2\*\*32\), got -1"):
-        jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=-1, num_slots=4, shape_n=8)
-    with pytest.raises(TypeError, match=r"missing \['shape_n'\], unexpected \['n'\]"):
+        jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=-1, num_slots=4, out_cols=8)
+    with pytest.raises(TypeError, match=r"missing \['out_cols'\], unexpected \['n'\]"):
         jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=4, num_slots=4, n=8)
     with pytest.raises(TypeError, match=r"'row_to_slot' \(const int\*\): expected a torch.int32 tensor, got NoneType"):
-        jit.pack_args("k", args, out=out, row_to_slot=None, weights=None, num_rows=4, num_slots=4, shape_n=8)
+        jit.pack_args("k", args, out=out, row_to_slot=None, weights=None, num_rows=4, num_slots=4, out_cols=8)
     with pytest.raises(ValueError, match="ctype='int64_t'"):
         jit.render_types((jit.KernelArg("x", "int64_t"),))
 
