@@ -397,8 +397,7 @@ def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     Returns ``(y, dx, d_topk_weights, d_l1, d_l2)`` (fp32) for the output gradient ``dy``, with
     the kernels' quantization points over the 128-aligned pool:
 
-    - L1 forward ``h = x @ W1[e]^T``: x 1x128 along H, W1 ``nk`` blocks; h is stored in bf16 (as
-      the layer saves it) and SwiGLU reads it;
+    - L1 forward ``h = x @ W1[e]^T``: x 1x128 along H, W1 ``nk`` blocks;
     - L2 forward ``o = act @ W2[e]^T``: act 1x128 along I, W2 ``nk``;
     - L2 dgrad ``da' = dy @ W2[e]``: dy 1x128 along H, W2 ``kn``; SwiGLU backward, ``<da', act>``
       and ``w * act`` from the unquantized fp32 values (the dgrad epilogue's registers);
@@ -407,8 +406,9 @@ def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
       column-quantized (128x1 along the tokens) with ``wgrad="fp8"``, rounded to bf16 with
       ``wgrad="bf16"``.
 
-    Operands are quantized from fp32 (the producing epilogue's accumulators). ``quantize=False``
-    turns every rounding off (fp32 throughout), which isolates the recipe's error.
+    Everything between those points stays fp32 (operands are quantized from the producing
+    epilogue's fp32 accumulators; the GPU layer also stores h and dh in bf16, a rounding 16 times
+    finer than e4m3's). ``quantize=False`` turns every rounding off, which isolates the recipe's error.
     """
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"wgrad={wgrad!r}; expected one of {WGRAD_MODES}")
@@ -425,8 +425,7 @@ def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
 
     rows = (lambda t: dequantize_rows(*quantize_rows(t))) if quantize else identity
     cols = (lambda t: dequantize_cols(*quantize_cols(t))) if quantize else identity
-    store = bf16 if quantize else identity
-    wgrad_operand = cols if wgrad == "fp8" else store
+    wgrad_operand = cols if wgrad == "fp8" else bf16 if quantize else identity
     if quantize:
         w1, w2 = Fp8ExpertWeights.from_bf16(l1_weights), Fp8ExpertWeights.from_bf16(l2_weights)
         w1_nk, w1_kn = w1.dequantize(), dequantize_weight_blocks(*w1.kn)
@@ -446,7 +445,7 @@ def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
         return _grouped_nt(a, w.__getitem__, spans, w.shape[1])
 
     x_pool = elementwise.gather_rows(x.detach().float(), meta.row_to_slot, top_k)
-    h = store(gemm(rows(x_pool), w1_nk))
+    h = gemm(rows(x_pool), w1_nk)
     o = gemm(rows(swiglu(h, activation_clamp)), w2_nk)
     y = elementwise.combine_rows(o, meta.slot_to_row, flat_w.view(num_tokens, top_k), top_k, torch.float32)
 
