@@ -443,3 +443,154 @@ def test_layer_nonfinite_positions_match_the_reference(where):
         assert (~torch.isfinite(r)).any() != (where == "l2_inf" and name == "d_l2"), name
         assert torch.equal(~torch.isfinite(o), ~torch.isfinite(r)), \
             f"{name}: {int((~torch.isfinite(o)).sum())} non-finite vs the reference's {int((~torch.isfinite(r)).sum())}"
+
+
+# ---------------------------------------------------------------------------------------------
+# recipe="fp8" through the layer: on CPU (and on GPUs without fp8 kernels) the torch providers run
+# the emulation; the layer's sequence is the one of every recipe.
+
+import deep_gemm_ext as dge  # noqa: E402
+from deep_gemm_ext import plan  # noqa: E402
+
+from gpu_utils import poison_allocator, requires_cuda, run_layer  # noqa: E402
+
+
+def _layer(recipe="fp8", backend="auto"):
+    return lambda x, idx, w, l1, l2, c: dge.mega_moe_train(x, idx, w, l1, l2, activation_clamp=c, recipe=recipe,
+                                                           backend=backend)
+
+
+def _leaves(case, dtype=torch.float32, device="cpu"):
+    x, idx, w, l1, l2, dy = case
+    x, l1, l2, dy = (t.to(device, dtype) for t in (x, l1, l2, dy))
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w.to(device), l1, l2)]
+    return leaves[0], idx.to(device), leaves[1], leaves[2], leaves[3], dy
+
+
+@pytest.mark.parametrize("num_tokens, routing, clamp", [
+    (300, "uniform", None), (300, "unused_slots", 1.0), (64, "empty_experts", None), (200, "one_expert", 4.0),
+    (1, "uniform", None)])
+def test_layer_recipe_fp8_is_the_reference_layer(num_tokens, routing, clamp):
+    """fp32 on CPU: the layer under recipe="fp8" and the emulated reference layer quantize at the same
+    points and compute in the same order: bit-identical."""
+    x, idx, w, l1, l2, dy = _leaves(_case(num_tokens, routing, seed=num_tokens + 1))
+    assert plan.resolve(x, l1, recipe="fp8").align == 128
+    y, grads = run_layer(_layer(), x, idx, w, l1, l2, clamp, dy)
+    ref = fp8.fp8_reference_layer(x, idx, w, l1, l2, clamp, dy)
+    for name, out, r in zip(OUTPUTS, (y, *grads), ref):
+        assert torch.equal(out, r), f"{name}: max |diff| {(out - r).abs().max():.3g}"
+
+
+def test_layer_recipe_fp8_in_bf16_and_with_no_tokens():
+    x, idx, w, l1, l2, dy = _leaves(_case(300, "zipf", seed=8), torch.bfloat16)
+    y, grads = run_layer(_layer(), x, idx, w, l1, l2, None, dy)
+    y_ref, g_ref = reference_grads(x, idx, w, l1, l2, None, dy)
+    for name, out, r in zip(OUTPUTS, (y, *grads), (y_ref, *g_ref)):
+        assert out.dtype == (torch.float32 if name == "d_topk" else torch.bfloat16)
+        assert 0 < rel_err(out, r) < 0.1, name
+    x, idx, w, l1, l2, dy = _leaves(_case(0, "uniform", seed=0), torch.bfloat16)
+    y, grads = run_layer(_layer(), x, idx, w, l1, l2, None, dy)
+    assert y.shape == (0, H) and all(not g.any() for g in grads)
+
+
+def test_layer_recipe_fp8_bf16_weight_gradients(monkeypatch):
+    x, idx, w, l1, l2, dy = _leaves(_case(300, "uniform", seed=9))
+    monkeypatch.setenv("DGE_FP8_WGRAD", "bf16")
+    assert plan.resolve(x, l1, recipe="fp8").precision.wgrad == "bf16"
+    y, grads = run_layer(_layer(), x, idx, w, l1, l2, None, dy)
+    ref = fp8.fp8_reference_layer(x, idx, w, l1, l2, None, dy, wgrad="bf16")
+    for name, out, r in zip(OUTPUTS, (y, *grads), ref):
+        assert torch.equal(out, r), name
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp16")
+    with pytest.raises(ValueError, match="DGE_FP8_WGRAD='fp16': expected fp8 or bf16"):
+        dge.mega_moe_train(x, idx, w, l1, l2, recipe="fp8")
+
+
+def test_layer_quantizes_weights_once_per_version(monkeypatch):
+    """Forward and backward of several steps read the cache; an optimizer step re-quantizes once."""
+    calls = []
+    quantize = fp8.Fp8ExpertWeights.from_bf16.__func__
+    monkeypatch.setattr(fp8.Fp8ExpertWeights, "from_bf16",
+                        classmethod(lambda cls, w: calls.append(tuple(w.shape)) or quantize(cls, w)))
+    x, idx, w, _, _, dy = _case(64, "uniform", seed=10)
+    module = dge.MegaMoE(E, H, I, K, recipe="fp8", dtype=torch.float32)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for _ in range(2):
+        module.zero_grad()
+        y = module(x.float(), idx, w)
+        y.backward(dy.float())
+    assert len(calls) == 2, f"quantized {len(calls)} times in two steps without a weight update: {calls}"
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in module.parameters())
+    opt.step()
+    module(x.float(), idx, w).backward(dy.float())
+    assert len(calls) == 4
+
+
+def test_plan_keeps_fp8_off_kernels_without_an_fp8_path(monkeypatch):
+    """On an SM90 GPU our kernels are bf16 only: "auto" under fp8 runs the torch emulation."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(plan, "jit_available", lambda device: True)
+    facts = plan.ShapeFacts(sm90_gemm=True, swiglu_epilogue=True, grouped_mm_groups=True)
+    cuda = torch.device("cuda", 0)
+    assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "bf16") == "sm90"
+    assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "fp8") == "grouped_mm"
+    assert plan.choose_provider(cuda, torch.bfloat16, facts, "deep_gemm", "fp8") == "deep_gemm"
+
+
+def test_recipe_fp8_needs_multiples_of_128():
+    assert dge.unsupported_shape_reason(2048, 768, "fp8", device_type="cpu") is None
+    assert dge.unsupported_shape_reason(2048, 96, "fp8", device_type="cpu") == (
+        "intermediate=96 is not a multiple of 128, which recipe='fp8' needs for its 128x128 weight blocks")
+    x, idx, w, l1, l2 = make_inputs(8, 16, 8, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="hidden=16 is not a multiple of 128"):
+        dge.mega_moe_train(x, idx, w, l1, l2, recipe="fp8")
+
+
+def test_recipe_fp8_under_torch_compile_is_bit_equal():
+    torch._dynamo.reset()
+    x, idx, w, l1, l2, dy = _leaves(_case(40, "unused_slots", seed=11))
+    eager = run_layer(_layer(), x, idx, w, l1, l2, None, dy)
+    compiled = torch.compile(lambda *a: dge.mega_moe_train(*a, recipe="fp8"), fullgraph=True)
+    out = run_layer(lambda x, idx, w, l1, l2, c: compiled(x, idx, w, l1, l2), x, idx, w, l1, l2, None, dy)
+    torch._dynamo.reset()
+    for a, b in zip((eager[0], *eager[1]), (out[0], *out[1])):
+        assert torch.equal(a, b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("routing, clamp", [("uniform", None), ("unused_slots", 4.0), ("one_expert", None)])
+def test_gpu_layer_recipe_fp8_matches_the_emulation(routing, clamp):
+    """The GPU layer under recipe="fp8" (DeepGEMM's kernels where installed, else the emulation on
+    torch providers): its error against the fp64 reference within 1.02x of the fp32 emulated
+    reference layer's (design.md §6), outputs NaN-poisoned first."""
+    backends = ["auto"] + (["deep_gemm"] if _deep_gemm_sm90() else [])
+    x, idx, w, l1, l2, dy = _leaves(_case(300, routing, seed=12), torch.bfloat16, "cuda")
+    y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
+    emulated = fp8.fp8_reference_layer(x, idx, w, l1, l2, clamp, dy)
+    for backend in backends:
+        poison_allocator(1 << 28)
+        y, grads = run_layer(_layer(backend=backend), x, idx, w, l1, l2, clamp, dy)
+        for name, out, emu, r in zip(OUTPUTS, (y, *grads), emulated, (y_ref, *g_ref)):
+            err, emu_err = rel_err(out, r), rel_err(emu, r)
+            print(f"[{backend} {routing} clamp={clamp}] {name}: {err:.3e} (emulation {emu_err:.3e})")
+            assert torch.isfinite(out).all(), f"{backend} {name}: non-finite output"
+            assert err <= 1.02 * emu_err + 2e-3, f"{backend} {name}: {err:.3e} vs emulation {emu_err:.3e}"
+
+
+def _deep_gemm_sm90() -> bool:
+    from deep_gemm_ext.providers import deepgemm
+    return torch.cuda.get_device_capability()[0] == 9 and deepgemm.is_available()
+
+
+@requires_cuda
+def test_gpu_deep_gemm_reads_the_weight_cache(monkeypatch):
+    if not _deep_gemm_sm90():
+        pytest.skip("needs an SM90 GPU and an importable deep_gemm")
+    calls = []
+    quantize = fp8.Fp8ExpertWeights.from_bf16.__func__
+    monkeypatch.setattr(fp8.Fp8ExpertWeights, "from_bf16",
+                        classmethod(lambda cls, w: calls.append(tuple(w.shape)) or quantize(cls, w)))
+    x, idx, w, l1, l2, dy = _leaves(_case(300, "uniform", seed=13), torch.bfloat16, "cuda")
+    for _ in range(2):
+        run_layer(_layer(backend="deep_gemm"), x, idx, w, l1, l2, None, dy)
+    assert len(calls) == 2, calls

@@ -183,6 +183,7 @@ class DeepGemmProvider(GemmProvider):
     """Upstream's ``m_grouped_{bf16,fp8}_gemm_*_contiguous`` and ``k_grouped_*`` GEMMs."""
 
     row_alignment = 128
+    recipes = ("bf16", "fp8")
 
     is_available = staticmethod(is_available)
     require = staticmethod(require)
@@ -221,7 +222,7 @@ class DeepGemmProvider(GemmProvider):
         a, b = a[:rows], b[:rows]
         d = torch.zeros(len(ks), a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
         layout = torch.tensor(ks, dtype=torch.int32, device=a.device)
-        if not recipe.fp8:
+        if not recipe.fp8 or recipe.wgrad == "bf16":
             dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, layout, d)
             return d
         (aq, a_scale), (bq, b_scale) = quantize_cols_fp8(a), quantize_cols_fp8(b)

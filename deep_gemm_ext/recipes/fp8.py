@@ -389,6 +389,26 @@ def emulate_grouped_gemm_tn(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch
     return _grouped_tn(a, b, spans)
 
 
+def emulated_m_grouped(a: torch.Tensor, w: Fp8ExpertWeights, starts, ends, layout: str) -> torch.Tensor:
+    """The layer's M-grouped GEMM under the fp8 recipe: ``a`` (the pool, in the compute dtype)
+    quantized 1x128 along K as the producing kernel quantizes it, times ``w.nk`` (``layout`` "nt":
+    ``a @ W[e]^T``) or ``w.kn`` ("nn": ``a @ W[e]``). Returns ``a``'s dtype."""
+    if not isinstance(w, Fp8ExpertWeights):
+        raise TypeError(f"w must be Fp8ExpertWeights under the fp8 recipe, got {type(w).__name__}")
+    data, scale = w.nk if layout == "nt" else w.kn
+    return emulate_grouped_gemm_nt(*quantize_rows(a), data, scale, starts, ends).to(a.dtype)
+
+
+def emulated_k_grouped(a: torch.Tensor, b: torch.Tensor, starts, ends, wgrad: str) -> torch.Tensor:
+    """The layer's weight-gradient GEMM under the fp8 recipe: operands column-quantized
+    (``wgrad="fp8"``) or rounded to bf16 (``"bf16"``), fp32 result ``[E, M, N]``."""
+    if wgrad == "fp8":
+        return emulate_grouped_gemm_tn(*quantize_cols(a), *quantize_cols(b), starts, ends)
+    if wgrad != "bf16":
+        raise ValueError(f"wgrad={wgrad!r}; expected one of {WGRAD_MODES}")
+    return _grouped_tn(a.bfloat16().float(), b.bfloat16().float(), _spans(starts, ends, a.shape[0], len(starts)))
+
+
 def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         l1_weights: torch.Tensor, l2_weights: torch.Tensor, activation_clamp: float | None,
                         dy: torch.Tensor, *, wgrad: str = "fp8", quantize: bool = True):
@@ -417,43 +437,41 @@ def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
         raise ValueError(f"dy has shape {tuple(dy.shape)}; expected x's shape {(num_tokens, hidden)}")
     num_experts, top_k = l1_weights.shape[0], topk_idx.shape[1]
 
-    def identity(t):
-        return t
-
-    def bf16(t):
-        return t.bfloat16().float()
-
-    rows = (lambda t: dequantize_rows(*quantize_rows(t))) if quantize else identity
-    cols = (lambda t: dequantize_cols(*quantize_cols(t))) if quantize else identity
-    wgrad_operand = cols if wgrad == "fp8" else bf16 if quantize else identity
-    if quantize:
-        w1, w2 = Fp8ExpertWeights.from_bf16(l1_weights), Fp8ExpertWeights.from_bf16(l2_weights)
-        w1_nk, w1_kn = w1.dequantize(), dequantize_weight_blocks(*w1.kn)
-        w2_nk, w2_kn = w2.dequantize(), dequantize_weight_blocks(*w2.kn)
-    else:
-        w1_nk, w2_nk = l1_weights.detach().float(), l2_weights.detach().float()
-        w1_kn, w2_kn = w1_nk.transpose(1, 2), w2_nk.transpose(1, 2)
-
     meta = compute_routing_torch(topk_idx, num_experts, FP8_BLOCK)
     spans = _spans(meta.starts, meta.ends, meta.num_pool_rows, num_experts)
+    if quantize:
+        w1, w2 = Fp8ExpertWeights.from_bf16(l1_weights), Fp8ExpertWeights.from_bf16(l2_weights)
+
+        def m_grouped(a, w, layout):
+            return emulated_m_grouped(a, w, meta.starts, meta.ends, layout)
+
+        def k_grouped(a, b):
+            return emulated_k_grouped(a, b, meta.starts, meta.ends, wgrad)
+    else:
+        w1, w2 = l1_weights.detach().float(), l2_weights.detach().float()
+
+        def m_grouped(a, w, layout):
+            w = w if layout == "nt" else w.transpose(1, 2)
+            return _grouped_nt(a, w.__getitem__, spans, w.shape[1])
+
+        def k_grouped(a, b):
+            return _grouped_tn(a, b, spans)
+
     flat_w = topk_weights.detach().float().reshape(-1)
     # Padding rows read the appended zero (an index that also exists when T = 0).
     padded_w = torch.cat([flat_w, flat_w.new_zeros(1)])
     row_weight = padded_w[torch.where(meta.row_to_slot >= 0, meta.row_to_slot, flat_w.numel()).long()]
 
-    def gemm(a, w):
-        return _grouped_nt(a, w.__getitem__, spans, w.shape[1])
-
     x_pool = elementwise.gather_rows(x.detach().float(), meta.row_to_slot, top_k)
-    h = gemm(rows(x_pool), w1_nk)
-    o = gemm(rows(swiglu(h, activation_clamp)), w2_nk)
+    h = m_grouped(x_pool, w1, "nt")
+    o = m_grouped(swiglu(h, activation_clamp), w2, "nt")
     y = elementwise.combine_rows(o, meta.slot_to_row, flat_w.view(num_tokens, top_k), top_k, torch.float32)
 
     dy_pool = elementwise.gather_rows(dy.detach().float(), meta.row_to_slot, top_k)
-    da = gemm(rows(dy_pool), w2_kn)
+    da = m_grouped(dy_pool, w2, "nn")
     dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp)
-    dx = elementwise.combine_rows(gemm(rows(dh), w1_kn), meta.slot_to_row, None, top_k, torch.float32)
-    d_l2 = _grouped_tn(wgrad_operand(dy_pool), wgrad_operand(act_w), spans)
-    d_l1 = _grouped_tn(wgrad_operand(dh), wgrad_operand(x_pool), spans)
+    dx = elementwise.combine_rows(m_grouped(dh, w1, "nn"), meta.slot_to_row, None, top_k, torch.float32)
+    d_l2 = k_grouped(dy_pool, act_w)
+    d_l1 = k_grouped(dh, x_pool)
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
     return y, dx, d_topk.view(num_tokens, top_k), d_l1, d_l2
