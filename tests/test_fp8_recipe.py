@@ -153,6 +153,14 @@ def test_weight_copies_transpose_exactly():
         fp8.Fp8ExpertWeights.from_bf16(torch.randn(2, 200, 384))
 
 
+def test_weight_quantization_does_not_depend_on_its_chunking(monkeypatch):
+    w = torch.randn(5, 200, 300, generator=_gen(14))
+    whole = fp8.quantize_weight_blocks(w)
+    monkeypatch.setattr(fp8, "_WEIGHT_CHUNK_ELEMENTS", 2 * 256 * 384)  # two experts per pass
+    chunked = fp8.quantize_weight_blocks(w)
+    assert torch.equal(whole[0].float(), chunked[0].float()) and torch.equal(whole[1], chunked[1])
+
+
 def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
         fp8.quantize_rows([[1.0]])

@@ -63,6 +63,9 @@ SCALE_FLOOR = torch.finfo(torch.float32).tiny
 #: Smallest amax a scale is derived from (an all-zero tile gets SCALE_FLOOR).
 AMAX_FLOOR = FP8_MAX * SCALE_FLOOR
 WGRAD_MODES = ("fp8", "bf16")
+#: Weight elements quantized per pass: bounds the fp32 temporaries (a few times 256 MiB) while
+#: keeping the launches per weight few.
+_WEIGHT_CHUNK_ELEMENTS = 1 << 26
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -167,11 +170,13 @@ def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     nb, kb = num_blocks(n), num_blocks(k)
     data = torch.empty(e, n, k, dtype=FP8_DTYPE, device=w.device)
     scale = torch.empty(e, nb, kb, dtype=torch.float32, device=w.device)
-    for i in range(e):  # one expert at a time bounds the fp32 temporaries to one expert's size
-        block_data, block_scale = _quantize_tiles(_padded(w[i].float(), (0, 1)),
-                                                  (nb, FP8_BLOCK, kb, FP8_BLOCK), (1, 3))
-        data[i] = block_data[:n, :k]
-        scale[i] = block_scale.reshape(nb, kb)
+    step = max(1, _WEIGHT_CHUNK_ELEMENTS // max(1, nb * kb * FP8_BLOCK ** 2))
+    for i in range(0, e, step):
+        chunk = w[i:i + step]
+        block_data, block_scale = _quantize_tiles(_padded(chunk.float(), (1, 2)),
+                                                  (chunk.shape[0], nb, FP8_BLOCK, kb, FP8_BLOCK), (2, 4))
+        data[i:i + step] = block_data[:, :n, :k]
+        scale[i:i + step] = block_scale.reshape(chunk.shape[0], nb, kb)
     return data, scale
 
 
