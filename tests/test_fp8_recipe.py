@@ -245,6 +245,15 @@ def test_cache_sees_an_in_place_edit():
     _assert_fresh(cache, experts.l2, stale)
 
 
+def test_cache_does_not_keep_inference_tensors():
+    """Inference tensors have no version counter: quantized on every call, never cached."""
+    cache = fp8.WeightCache()
+    with torch.inference_mode():
+        w = torch.randn(E, H, I)
+    first = cache.get(w)
+    assert len(cache) == 0 and cache.get(w) is not first and _same(cache.get(w), first)
+
+
 def test_cache_entry_dies_with_its_parameter():
     cache, experts = fp8.WeightCache(), Experts(5)
     cache.get(experts.l1), cache.get(experts.l2)
@@ -258,6 +267,8 @@ def test_cache_memory_matches_the_documented_cost():
     cache, experts = fp8.WeightCache(), Experts(6)
     cache.get(experts.l1), cache.get(experts.l2)
     assert cache.memory_bytes() == fp8.fp8_weight_cache_bytes(E, H, I)
+    cache.clear()
+    assert len(cache) == 0 and cache.memory_bytes() == 0
     # (2I*H + H*I) * E * 2 copies of 1-byte data, plus 4-byte scales per 128x128 block per copy.
     assert fp8.fp8_weight_cache_bytes(E, H, I) == (2 * I * H + H * I) * E * 2 + (4 + 2) * E * 2 * 4
     # DeepSeek-V3 (H 7168, I 2048, E 256): as many bytes as the bf16 weights (21.0 GiB), plus 0.1%.

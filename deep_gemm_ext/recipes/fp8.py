@@ -21,11 +21,11 @@ were zero-padded to the next multiple of 128.
 Scales: ``scale = max(amax, AMAX_FLOOR) / 448`` in fp32 over the tile's finite values, and
 ``data = x / scale`` rounded to nearest even. Plain amax/448 scales, not powers of two: DeepSeek-V3
 trains with them, DeepGEMM's SM90 fp8 GEMMs take fp32 scales, and every tile keeps the whole e4m3
-range (a power-of-two scale gives up to one binade). Saturation cannot happen: every finite
+range (rounding a scale up to a power of two leaves up to one binade unused). Saturation cannot happen: every finite
 ``|x| <= amax`` lands in ``[-448, 448]``. ``AMAX_FLOOR`` (the scale floor is float32's smallest
 normal number, 2**-126) only keeps the scale of an all-zero tile, and its reciprocal, finite and
 nonzero; zeros stay zeros. It is far below what a layer produces, unlike the 1e-4 amax floor of
-DeepGEMM's test helpers (and of this package before): that floor keeps about 3 bits of a tile
+DeepGEMM's test helpers: that floor keeps about 3 bits of a tile
 with amax 1e-9 and flushes one below 2e-10 to zeros, and gradients of a loss averaged over many
 tokens reach such magnitudes.
 
@@ -312,6 +312,7 @@ class WeightCache:
         self._entries.pop(id(weight), None)
 
     def clear(self) -> None:
+        """Drop every entry (frees the fp8 copies, e.g. before evaluation in bf16)."""
         self._entries.clear()
 
     def memory_bytes(self) -> int:
