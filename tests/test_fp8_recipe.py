@@ -254,6 +254,19 @@ def test_cache_does_not_keep_inference_tensors():
     assert len(cache) == 0 and cache.get(w) is not first and _same(cache.get(w), first)
 
 
+def test_cache_sees_an_optimizer_step_the_version_counter_misses():
+    """FSDP2 refills its unsharded parameters without bumping their version: any optimizer step
+    in the process makes every entry stale."""
+    cache, experts, other = fp8.WeightCache(), Experts(7), torch.nn.Linear(2, 2)
+    old = cache.get(experts.l1)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(experts.l1):
+        experts.l1.mul_(2)
+    assert cache.get(experts.l1) is old  # the counter did not move
+    other(torch.ones(2)).sum().backward()
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+    _assert_fresh(cache, experts.l1, old)
+
+
 def test_cache_entry_dies_with_its_parameter():
     cache, experts = fp8.WeightCache(), Experts(5)
     cache.get(experts.l1), cache.get(experts.l2)

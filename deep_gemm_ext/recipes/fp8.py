@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import elementwise
 from ..reference import swiglu
@@ -256,6 +257,19 @@ def fp8_weight_cache_bytes(num_experts: int, hidden: int, intermediate: int) -> 
     return 2 * (data + 4 * blocks * num_experts)
 
 
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# Every torch.optim step anywhere in the process ages the cache: FSDP2 refills its all-gathered
+# parameters under _unsafe_preserve_version_counter, so their version counter never moves.
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 @dataclass
 class _Entry:
     ref: weakref.ref
@@ -268,11 +282,15 @@ class WeightCache:
 
     An entry is keyed by the tensor's identity and checked against its version counter
     (``t._version``, bumped by every in-place write through the tensor or its views: optimizer
-    steps, ``load_state_dict``, ``mul_``), data pointer, shape, strides, dtype and device; any change
-    re-quantizes. Entries hold weak references: a parameter that dies takes its entry with it.
-    Not seen: writes through ``t.data`` (``t.data.mul_(2)`` bumps a separate counter); call
-    :meth:`invalidate` after those. Inference tensors have no version counter and are quantized on
-    every call. Quantization is deterministic; the cache is not thread-safe.
+    steps, ``load_state_dict``, ``mul_``), data pointer, shape, strides, dtype and device, and the
+    count of ``torch.optim`` steps taken in the process; any change re-quantizes. The step count
+    covers what the version counter misses: FSDP2 refills the unsharded parameters it all-gathers
+    without bumping their counter, and the values change only when an optimizer steps the shards.
+    Entries hold weak references: a parameter that dies takes its entry with it.
+    Not seen, so call :meth:`invalidate` or :meth:`clear` after them: writes through ``t.data``
+    (``t.data.mul_(2)`` bumps a separate counter), and, under FSDP2, a ``load_state_dict`` after
+    the first forward. Inference tensors have no version counter and are quantized on every call.
+    Quantization is deterministic; the cache is not thread-safe.
     """
 
     def __init__(self) -> None:
@@ -283,7 +301,7 @@ class WeightCache:
 
     @staticmethod
     def _signature(t: torch.Tensor) -> tuple:
-        return t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+        return _optimizer_steps, t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
 
     def get(self, weight: torch.Tensor) -> Fp8ExpertWeights:
         """``weight``'s :class:`Fp8ExpertWeights`, quantized now if its cached copy is stale."""
