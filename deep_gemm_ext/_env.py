@@ -107,6 +107,15 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
+def fp8_wgrad() -> str:
+    """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
+    operands (``fp8``, default) or bf16 ones (``bf16``: unquantized operands, twice the bytes)."""
+    value = os.environ.get("DGE_FP8_WGRAD", "fp8").strip().lower()
+    if value not in ("fp8", "bf16"):
+        raise ValueError(f"DGE_FP8_WGRAD={os.environ['DGE_FP8_WGRAD']!r}: expected fp8 or bf16")
+    return value
+
+
 def check_ids() -> bool | None:
     """DGE_CHECK_IDS: 1 checks topk_idx's range on the host (one sync per forward on a GPU), 0 never
     does; unset (the default) checks on the host for CPU tensors only, and leaves GPU tensors to a

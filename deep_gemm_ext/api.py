@@ -23,8 +23,9 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
 
     backend: ``"auto"`` (our SM90 kernels where they apply, else the torch path), ``"torch"``
     (grouped GEMMs through ``torch._grouped_mm``), or ``"deep_gemm"`` (upstream DeepGEMM's grouped
-    GEMMs; needs deep_gemm installed). recipe: ``"bf16"``; ``"fp8"`` (1x128 activation, 128x128
-    weight scales) with ``backend="deep_gemm"``. group: None or a group of one rank (expert
+    GEMMs; needs deep_gemm installed). recipe: ``"bf16"``; ``"fp8"`` (blockwise fp8: 1x128 activation
+    and 128x128 weight scales, deep_gemm_ext.recipes.fp8) on DeepGEMM's kernels, elsewhere as its
+    torch emulation. group: None or a group of one rank (expert
     parallelism over several ranks is not available yet).
     """
     validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
