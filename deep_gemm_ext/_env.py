@@ -64,6 +64,20 @@ def print_configs() -> bool:
     return _flag("DGE_PRINT_CONFIGS")
 
 
+GEMM_SCHEDULES = ("cooperative", "pingpong")
+
+
+def gemm_schedule() -> str:
+    """DGE_GEMM_SCHEDULE: consumer schedule of the SM90 grouped GEMMs. ``cooperative`` (default): both
+    consumer warpgroups on every 128 x 256 (or 128 x 128) tile; ``pingpong``: each warpgroup on
+    alternate 128 x 128 tiles, one's epilogue overlapping the other's mainloop (same bits as
+    cooperative 128 x 128 tiles)."""
+    value = os.environ.get("DGE_GEMM_SCHEDULE", "cooperative").strip().lower()
+    if value not in GEMM_SCHEDULES:
+        raise ValueError(f"DGE_GEMM_SCHEDULE={os.environ['DGE_GEMM_SCHEDULE']!r}: expected one of {GEMM_SCHEDULES}")
+    return value
+
+
 def use_jit_kernels() -> bool:
     """DGE_DISABLE_JIT: set to 1 to run the GPU path on torch ops only (no JIT kernels)."""
     return not _flag("DGE_DISABLE_JIT")

@@ -1,21 +1,29 @@
 """Time the SM90 grouped GEMMs of one MoE layer against torch._grouped_mm, in one process.
 
     python scripts/gemm_bench.py [--workload qwen3-30b-a3b-t16384] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --schedules [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows the experts own, and
 the ratio to torch._grouped_mm on the same operands (offs = ends). Prints a table last.
+
+--schedules: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
+TFLOP/s of the cooperative and the ping-pong consumer schedule (DGE_GEMM_SCHEDULE) and of one dense
+cuBLAS GEMM (torch.matmul) of the same M x N x K.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms
+
+_SCHEDULE_WORKLOADS = ("qwen3-30b-a3b-t16384", "qwen3-235b-a22b-t8192")
 
 
 def _pool(rows: int, cols: int, pad: torch.Tensor) -> torch.Tensor:
@@ -24,13 +32,9 @@ def _pool(rows: int, cols: int, pad: torch.Tensor) -> torch.Tensor:
     return data
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", default="qwen3-30b-a3b-t16384", choices=sorted(WORKLOADS))
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
-    args = parser.parse_args()
-    w = WORKLOADS[args.workload]
+def _cases(w):
+    """(name, dense (M, N, K), ours, torch._grouped_mm on the same operands) per GEMM of the layer, and
+    the pool rows the experts own."""
     torch.manual_seed(0)
     idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
     meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
@@ -44,26 +48,31 @@ def main() -> int:
     l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
     l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
     offs = ends
-
-    # (name, flops, ours, torch._grouped_mm on the same operands)
     cases = [
-        ("L1 fwd  nt", 2.0 * used * 2 * I * H, lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends),
+        ("L1 fwd  nt", (used, 2 * I, H), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends),
          lambda: torch._grouped_mm(x, l1.transpose(-2, -1), offs=offs)),
-        ("L2 fwd  nt", 2.0 * used * H * I, lambda: gg.m_grouped_bf16_gemm_nt_contiguous(act, l2, starts, ends),
+        ("L2 fwd  nt", (used, H, I), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(act, l2, starts, ends),
          lambda: torch._grouped_mm(act, l2.transpose(-2, -1), offs=offs)),
-        ("L1 fwd  nt paired", 2.0 * used * 2 * I * H,
+        ("L1 fwd  nt paired", (used, 2 * I, H),
          lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends, paired_n=True), None),
-        ("L2 dgrad nn", 2.0 * used * H * I, lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, starts, ends),
+        ("L2 dgrad nn", (used, I, H), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, starts, ends),
          lambda: torch._grouped_mm(dy, l2, offs=offs)),
-        ("L1 dgrad nn", 2.0 * used * 2 * I * H, lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dh, l1, starts, ends),
+        ("L1 dgrad nn", (used, H, 2 * I), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dh, l1, starts, ends),
          lambda: torch._grouped_mm(dh, l1, offs=offs)),
-        ("L1 wgrad tn", 2.0 * used * 2 * I * H, lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dh, x, starts, ends),
+        ("L1 wgrad tn", (2 * I, H, used), lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dh, x, starts, ends),
          lambda: torch._grouped_mm(dh.t(), x, offs=offs)),
-        ("L2 wgrad tn", 2.0 * used * H * I, lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dy, act, starts, ends),
+        ("L2 wgrad tn", (H, I, used), lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dy, act, starts, ends),
          lambda: torch._grouped_mm(dy.t(), act, offs=offs)),
     ]
+    return cases, used
+
+
+def _grouped_table(args) -> int:
+    w = WORKLOADS[args.workload[0] if args.workload else "qwen3-30b-a3b-t16384"]
+    cases, used = _cases(w)
     results = []
-    for name, flops, ours, baseline in cases:
+    for name, (m, n, k), ours, baseline in cases:
+        flops = 2.0 * m * n * k
         ms = median_ms(ours, args.reps)
         base_ms = None
         if baseline is not None:
@@ -78,13 +87,58 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"{w.name}: {used} pool rows owned by {E} experts, {torch.cuda.get_device_name()}")
+    print(f"{w.name}: {used} pool rows owned by {w.num_experts} experts, {torch.cuda.get_device_name()}")
     print(f"{'gemm':<18} | {'us':>8} | {'TFLOP/s':>7} | {'torch us':>8} | {'torch TFLOP/s':>13} | x torch")
     for r in results:
         base = (f"{r['torch_us']:8.1f} | {r['torch_tflops']:13.1f} | {r['torch_us'] / r['us']:6.2f}x"
                 if r["torch_us"] else f"{'-':>8} | {'-':>13} | {'-':>7}")
         print(f"{r['gemm']:<18} | {r['us']:8.1f} | {r['tflops']:7.1f} | {base}")
     return 0
+
+
+def _schedule_table(args) -> int:
+    results = []
+    for workload in args.workload or _SCHEDULE_WORKLOADS:
+        w = WORKLOADS[workload]
+        cases, used = _cases(w)
+        for name, (m, n, k), ours, _ in cases:
+            flops = 2.0 * m * n * k
+            row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k}
+            for schedule in gg.SCHEDULES:
+                os.environ["DGE_GEMM_SCHEDULE"] = schedule  # read by every launch (deep_gemm_ext._env)
+                row[schedule] = flops / median_ms(ours, args.reps) / 1e9
+            a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+            row["cublas"] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
+            results.append(row)
+            del a, b
+    os.environ.pop("DGE_GEMM_SCHEDULE", None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"TFLOP/s on {torch.cuda.get_device_name()} (dense cuBLAS: torch.matmul of the same M x N x K)")
+    print(f"{'workload':<22} | {'gemm':<18} | {'M x N x K':>20} | {'cooperative':>11} | {'pingpong':>8} | "
+          f"{'cuBLAS':>6} | ping/coop")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{r['workload']:<22} | {r['gemm']:<18} | {shape:>20} | {r['cooperative']:11.1f} | "
+              f"{r['pingpong']:8.1f} | {r['cublas']:6.1f} | {r['pingpong'] / r['cooperative']:8.2f}x")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
+                        help="the layer (repeatable with --schedules; default qwen3-30b-a3b-t16384, with "
+                             f"--schedules {' and '.join(_SCHEDULE_WORKLOADS)})")
+    parser.add_argument("--schedules", action="store_true",
+                        help="cooperative vs ping-pong vs dense cuBLAS TFLOP/s per GEMM")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    args = parser.parse_args()
+    if not args.schedules and args.workload and len(args.workload) > 1:
+        parser.error("--workload: one workload without --schedules")
+    return _schedule_table(args) if args.schedules else _grouped_table(args)
 
 
 if __name__ == "__main__":

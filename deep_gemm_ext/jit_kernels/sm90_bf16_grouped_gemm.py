@@ -23,6 +23,7 @@ for experts without rows. ``starts``/``ends`` stay on the device: nothing here s
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -53,11 +54,15 @@ class Tile(NamedTuple):
     stages: int
 
 
-#: Candidates in order of preference. Measured on H200 (tests/cuda harness): 128 x 256 tiles with 4
-#: stages beat 128 x 128 with 6 stages on every MoE shape; 128-wide tiles only pay off where they
-#: pad N less.
-TILES = (Tile(256, 4), Tile(128, 6))
-_STAGES = dict(TILES)
+#: Candidates per consumer schedule, in order of preference. Measured on H200 (tests/cuda harness):
+#: cooperative 128 x 256 tiles with 4 stages beat 128 x 128 with 6 stages on every MoE shape; 128-wide
+#: tiles only pay off where they pad N less. The ping-pong schedule holds a whole 128-row tile per
+#: warpgroup, so 128 x 128 (two 64 x 128 fp32 accumulator slices fit its registers).
+TILES = {"cooperative": (Tile(256, 4), Tile(128, 6)), "pingpong": (Tile(128, 6),)}
+SCHEDULES = tuple(TILES)
+#: The tile widths each schedule's kernel takes (GemmTraits' static_asserts), and their stages.
+_WIDTHS = {"cooperative": (256, 128), "pingpong": (128,)}
+_STAGES = {256: 4, 128: 6}
 
 #: The core kernel's arguments before the epilogue's (kernels/impls/sm90_bf16_grouped_gemm.cuh).
 CORE_ARGS = (
@@ -115,6 +120,14 @@ class GemmConfig:
     clamp: bool = False  # SwiGLU epilogues: compile the activation clamp in
     gather_a: str | None = None  # gathering prologue ("tma" or "cp_async"): A rows come from x via row_to_slot
     gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
+    schedule: str = "cooperative"  # consumer schedule: "cooperative" or "pingpong" (SCHEDULES)
+
+    def __post_init__(self):
+        if self.schedule not in _WIDTHS:
+            raise ValueError(f"GemmConfig: schedule={self.schedule!r}, expected one of {SCHEDULES}")
+        if self.block_n not in _WIDTHS[self.schedule]:
+            raise ValueError(f"GemmConfig: block_n={self.block_n} with schedule={self.schedule!r}, expected one of "
+                             f"{_WIDTHS[self.schedule]}")
 
     @property
     def stages(self) -> int:
@@ -131,6 +144,8 @@ class GemmConfig:
             name += "_gather" + ("_cpasync" if self.gather_a == "cp_async" else "")
         if self.gather_b:
             name += "_gatherb_cpasync"
+        if self.schedule != "cooperative":
+            name += f"_{self.schedule}"
         return name
 
     @property
@@ -147,7 +162,8 @@ class GemmConfig:
                 "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
                 f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
                 f"dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
-                f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M}>;\n"
+                f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M}"
+                f"{', dge::gemm::Schedule::Pingpong' if self.schedule == 'pingpong' else ''}>;\n"
                 f"using Epilogue = {epilogue_cpp};\n"
                 "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_grouped_gemm_kernel<\n"
@@ -165,12 +181,13 @@ class GemmConfig:
         return smem
 
 
-def select_tile(n: int, *, divides: bool = False, widths: tuple[int, ...] | None = None) -> Tile:
-    """The candidate tile for N columns: the one that pads N least, ties going to the earlier
-    (preferred) candidate. ``divides``: only tiles whose width divides N; ``widths``: only these."""
-    candidates = [t for t in TILES if (widths is None or t.block_n in widths) and (not divides or n % t.block_n == 0)]
+def select_tile(n: int, *, schedule: str = "cooperative", divides: bool = False) -> Tile:
+    """The candidate tile of ``schedule`` for N columns: the one that pads N least, ties going to the
+    earlier (preferred) candidate. ``divides``: only tiles whose width divides N."""
+    tiles = TILES[schedule]
+    candidates = [t for t in tiles if not divides or n % t.block_n == 0]
     if not candidates:
-        raise ValueError(f"N={n}: no tile of {[t.block_n for t in TILES]} fits (divides={divides}, widths={widths})")
+        raise ValueError(f"N={n}: no {schedule} tile of {[t.block_n for t in tiles]} divides it")
     return min(candidates, key=lambda t: -(-n // t.block_n) * t.block_n)
 
 
@@ -191,7 +208,10 @@ def _all_configs() -> list[GemmConfig]:
                                       gather_a=gather_a))
         configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp, gather_a=gather_a)
                     for block_n in (256, 128) for gather_a in (None, "cp_async")]
-    return configs
+    # The ping-pong twin of each (DGE_GEMM_SCHEDULE=pingpong): 128-wide tiles, paired ones included.
+    pingpong = {dataclasses.replace(c, block_n=128, schedule="pingpong"): None
+                for c in configs if c.block_n == 128 or c.paired_n}
+    return configs + list(pingpong)
 
 
 @jit.register("sm90_bf16_grouped_gemm")
@@ -417,7 +437,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         _check_multiple("K", k, _BLOCK_K, "an [E, K, N] weight is read in K blocks that must not cross experts")
     if paired_n:
         _check_multiple("N", n, 256, "paired N tiling pairs columns j and N/2 + j in 256-wide tiles")
-    block_n = select_tile(n, widths=(256,) if paired_n else None).block_n
+    schedule = _env.gemm_schedule()
+    block_n = select_tile(n, schedule=schedule, divides=paired_n).block_n
     if rows == 0 or num_experts == 0 or n == 0:
         return out
     if k == 0:
@@ -425,7 +446,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     a = _gather_operand("a", a, gather)
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
     config = GemmConfig(layout, block_n, paired_n, epilogue=epilogue,
-                        gather_a=gather.mode if gather is not None else None)
+                        gather_a=gather.mode if gather is not None else None, schedule=schedule)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
@@ -502,9 +523,10 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
         return out
     if rows == 0:
         return out.zero_()
-    block_n = select_tile(n).block_n
+    schedule = _env.gemm_schedule()
+    block_n = select_tile(n, schedule=schedule).block_n
     config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
-                        gather_b=gather_b is not None)
+                        gather_b=gather_b is not None, schedule=schedule)
     a = _gather_operand("a", a, gather_a, cp_async_only=True)
     b = _gather_operand("b", b, gather_b, cp_async_only=True)
     with jit.device_guard(a):
@@ -560,8 +582,10 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
     if hidden == 0:
         raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
     x_pool = _gather_operand("x_pool", x_pool, gather)
-    config = GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp is not None,
-                        gather_a=gather.mode if gather is not None else None)
+    schedule = _env.gemm_schedule()
+    config = GemmConfig("nt", select_tile(two_inter, schedule=schedule, divides=True).block_n, paired_n=True,
+                        epilogue="swiglu_fwd", clamp=clamp is not None,
+                        gather_a=gather.mode if gather is not None else None, schedule=schedule)
     with jit.device_guard(x_pool):
         b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
         epi_args = dict(tma_h=jit.make_tma_2d(h, 64, 64), tma_act=jit.make_tma_2d(act, 64, 64), clamp=c)
@@ -608,7 +632,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
                          f"{SWIGLU_INTERMEDIATE_ALIGNMENT} (N tiles of 128 or 256 columns must not straddle I)")
     _check_multiple("H", hidden, _BLOCK_K, "an [E, H, I] weight is read in K blocks that must not cross experts")
     if block_n is None:
-        block_n = select_tile(inter, divides=True).block_n
+        block_n = select_tile(inter, schedule=_env.gemm_schedule(), divides=True).block_n
     elif block_n not in _STAGES or inter % block_n:
         raise ValueError(f"block_n={block_n!r}: expected 128 or 256 dividing I={inter}")
     device = dy_pool.device
@@ -625,7 +649,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     partials = torch.empty(rows, num_parts, dtype=torch.float32, device=device)
     dy_pool = _gather_operand("dy_pool", dy_pool, gather, cp_async_only=True)
     config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None,
-                        gather_a="cp_async" if gather is not None else None)
+                        gather_a="cp_async" if gather is not None else None, schedule=_env.gemm_schedule())
     with jit.device_guard(dy_pool):
         b_map = jit.make_tma_2d(l2, 64, 64, rows=num_experts * hidden, cols=inter)
         epi_args = dict(tma_dh=jit.make_tma_2d(dh, 64, 64), tma_act_w=jit.make_tma_2d(act_w, 64, 64), h=h,

@@ -22,6 +22,13 @@ struct PipelineState {
         stage = stage + 1 == kNumStages ? 0 : stage + 1;
         phase ^= stage == 0 ? 1 : 0;
     }
+
+    // `n` advances at once (a consumer skipping the k-blocks of a tile it does not own).
+    __device__ __forceinline__ void advance(uint32_t n) {
+        const uint32_t total = stage + n;
+        phase ^= (total / kNumStages) & 1;
+        stage = total % kNumStages;
+    }
 };
 
 // Producer/consumer ring over kNumStages smem stages: "full" barriers complete when the TMA bytes

@@ -7,12 +7,16 @@
 //     A  [P, M] and B [P, N], both MN-major; D [E, M, N].
 //
 // Persistent, warp-specialized skeleton: warpgroup 2 is the producer, filling a kNumStages-deep
-// smem ring through the Loader policy (loader/sm90_gemm_loaders.cuh: TMA, gathered TMA rows or a
-// cp.async gather); warpgroups 0 and 1 are consumers, each owning 64 rows of the 128 x BLOCK_N
-// tile, running the Mainloop policy (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32
-// registers) and handing the accumulators with the tile's coordinates to the Epilogue policy
-// (epilogue/: TMA stores, slot scatter, SwiGLU). The problem itself is GemmTraits
-// (layout/sm90_gemm.cuh); the tile order is the scheduler's (scheduler/sm90_grouped.cuh).
+// smem ring in tile order through the Loader policy (loader/sm90_gemm_loaders.cuh: TMA, gathered
+// TMA rows or a cp.async gather); warpgroups 0 and 1 are consumers, running the Mainloop policy
+// (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32 registers) and handing the
+// accumulators of each 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
+// TMA stores, slot scatter, SwiGLU). Schedules (GemmTraits::kSchedule): cooperative, both
+// consumers on every 128 x BLOCK_N tile with 64 rows each; ping-pong, each consumer on alternate
+// tiles with all 128 rows, the two mainloops taking turns (named barriers 3, 4) so that one
+// warpgroup's epilogue runs under the other's mainloop. Each output element is the same fp32 sum
+// in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
+// tile order is the scheduler's (scheduler/sm90_grouped.cuh).
 //
 // kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
 // correct but measured 0.6x of kClusterN = 1 on H200 (cause not yet found), so launchers use 1.
@@ -49,7 +53,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     using Load = Loader<Traits>;
     using MMA = Mainloop<Traits, Load::kGenericProxyWrites>;
     using Layout = SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>;
-    using Pipeline = sm90::TmaPipeline<Traits::kNumStages, kNumConsumerWarpgroups * 4, Traits::kClusterN,
+    using Pipeline = sm90::TmaPipeline<Traits::kNumStages, Traits::kNumConsumerWarpsPerStage, Traits::kClusterN,
                                        Load::kCopyArrivals>;
     using Scheduler = sched::GroupedScheduler<Traits::kType, BLOCK_M, BLOCK_K, Traits::kGroupM, Traits::kClusterN>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
@@ -101,31 +105,62 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
         }
     } else {
-        // Consumer warpgroups: the mainloop on 64 rows each, then the epilogue.
+        // Consumer warpgroups: the mainloop on the warpgroup's slices of a tile, then the epilogue.
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
         sm90::PipelineState<Traits::kNumStages> st;
         sched::GroupedTile tile;
-        while (scheduler.next(tile)) {
+        constexpr uint32_t kSlices = Traits::kSlicesPerWarpgroup;
+        // `wait_turn` / `pass_turn`: the ping-pong order of the two warpgroups' mainloops.
+        auto consume = [&](const sched::GroupedTile& t, uint32_t first_slice, bool wait_turn, bool pass_turn) {
             // Zeroed rather than scale-d = 0 on the first wgmma: one definition of the accumulators
             // per tile keeps them in place across the loop, and empty K ranges store zeros.
-            float acc[MMA::kNumAccum];
+            float acc[kSlices][MMA::kNumAccum];
 #pragma unroll
-            for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
-                acc[i] = 0.0f;
-            const uint32_t last_stage =
-                MMA::mma(acc, pipe, st, tile.num_k_blocks, stages, warpgroup, lane);
-            MMA::finish(acc, pipe, last_stage, tile.num_k_blocks, lane);
+            for (uint32_t s = 0; s < kSlices; ++s) {
+#pragma unroll
+                for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                    acc[s][i] = 0.0f;
+            }
+            if (wait_turn)
+                ptx::named_barrier_sync(kMainloopTurnBarrierBase + warpgroup, 256);
+            const uint32_t last_stage = MMA::mma(acc, pipe, st, t.num_k_blocks, stages, first_slice, lane);
+            // The last wgmmas are issued: the other warpgroup's mainloop may start.
+            if (pass_turn)
+                ptx::named_barrier_arrive(kMainloopTurnBarrierBase + (warpgroup ^ 1), 256);
+            MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
 
             const uint32_t tile_row = Traits::kType == GroupedGemmType::MGroupedContiguous
-                                          ? tile.m_block * BLOCK_M
-                                          : tile.expert * shape_m + tile.m_block * BLOCK_M;
-            const EpilogueTile<Traits::BLOCK_N, Traits::kPairedN> epi_tile{Columns(tile.n_block, shape_n),
-                                                                           tile_row + warpgroup * 64, tile.m_block,
-                                                                           tile.n_block, tile.expert};
-            epilogue(acc, epi_tile, epi_args...);
+                                          ? t.m_block * BLOCK_M
+                                          : t.expert * shape_m + t.m_block * BLOCK_M;
+#pragma unroll
+            for (uint32_t s = 0; s < kSlices; ++s) {
+                const EpilogueTile<Traits::BLOCK_N, Traits::kPairedN> epi_tile{
+                    Columns(t.n_block, shape_n), tile_row + (first_slice + s) * 64, t.m_block, t.n_block, t.expert};
+                epilogue(acc[s], epi_tile, epi_args...);
+            }
+        };
+        if constexpr (!Traits::kPingpong) {
+            while (scheduler.next(tile))
+                consume(tile, warpgroup, false, false);
+        } else {
+            // Warpgroup w takes the CTA's tiles i with i % 2 == w and skips the others' stages. Tile i
+            // waits for tile i - 1's mainloop to be issued; every turn passed is taken, so no
+            // arrival is left pending when the CTA exits. The order also keeps a warpgroup from
+            // waiting on a stage's full barrier while the stage still holds the other's k-block.
+            bool have = scheduler.next(tile);
+            for (uint32_t i = 0; have; ++i) {
+                sched::GroupedTile next;
+                const bool have_next = scheduler.next(next);
+                if (i % 2 == warpgroup)
+                    consume(tile, 0, i > 0, have_next);
+                else
+                    st.advance(tile.num_k_blocks);
+                tile = next;
+                have = have_next;
+            }
         }
         epilogue.finish();
     }

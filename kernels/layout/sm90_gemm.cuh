@@ -21,13 +21,22 @@ constexpr uint32_t kNumThreads = 128 * (kNumConsumerWarpgroups + 1);
 // setmaxnreg budgets: 128 * 40 + 256 * 232 fits the 64K-register file of one CTA per SM.
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
-// Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads).
+// Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads), 3, 4 to
+// the ping-pong schedule's mainloop turns.
 constexpr uint32_t kEpilogueBarrierBase = 1;
+constexpr uint32_t kMainloopTurnBarrierBase = 3;
+
+// How the two consumer warpgroups share the work:
+//   Cooperative  both on every tile, warpgroup w on its rows [64 w, 64 w + 64);
+//   Pingpong     warpgroup w on the CTA's tiles w, w + 2, ..., all 128 rows (two 64-row slices),
+//                their mainloops taking turns so that one's epilogue overlaps the other's mainloop.
+enum class Schedule : uint32_t { Cooperative = 0, Pingpong = 1 };
 
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
-// CTAs per cluster along N, paired N tiling (below) and the scheduler's M-block group.
+// CTAs per cluster along N, paired N tiling (below), the scheduler's M-block group and the
+// consumer schedule.
 template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
-          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_>
+          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, Schedule kSchedule_ = Schedule::Cooperative>
 struct GemmTraits {
     static constexpr GroupedGemmType kType = kType_;
     static constexpr Major kMajorA = kMajorA_;
@@ -37,8 +46,13 @@ struct GemmTraits {
     static constexpr uint32_t kClusterN = kClusterN_;
     static constexpr bool kPairedN = kPairedN_;
     static constexpr uint32_t kGroupM = kGroupM_;
+    static constexpr Schedule kSchedule = kSchedule_;
     static constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
     static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
+    static constexpr bool kPingpong = kSchedule == Schedule::Pingpong;
+    // 64-row slices of a tile per consumer warpgroup, and the consumer warps that read each stage.
+    static constexpr uint32_t kSlicesPerWarpgroup = kPingpong ? 2 : 1;
+    static constexpr uint32_t kNumConsumerWarpsPerStage = kPingpong ? 4 : kNumConsumerWarpgroups * 4;
 
     static_assert(kType != GroupedGemmType::MGroupedContiguous || kMajorA == Major::K,
                   "M-grouped GEMM: the pool A must be K-major");
@@ -47,6 +61,9 @@ struct GemmTraits {
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
+    // Two 64 x BLOCK_N fp32 accumulator slices must fit the consumer's 232 registers.
+    static_assert(!kPingpong || (BLOCK_N == 128 && kClusterN == 1),
+                  "the ping-pong schedule takes 128 x 128 tiles per warpgroup, without clusters");
 };
 
 // Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N

@@ -5,13 +5,15 @@
 //
 // Mainloop contract (Traits: layout/sm90_gemm.cuh's GemmTraits):
 //   static constexpr uint32_t kNumAccum;     accumulators per thread of one 64-row slice
-//   template <class Pipe> static uint32_t mma(float (&acc)[kNumAccum], const Pipe&, PipelineState&,
-//       uint32_t num_k_blocks, const StageLayout&, uint32_t slice, uint32_t lane);
-//     issues the tile's k-blocks for the 64-row slice `slice` of the A stages (waiting on each stage's
-//     full barrier, freeing each stage once its wgmmas are done except the last), returns the
-//     last stage;
-//   template <class Pipe> static void finish(float (&acc)[kNumAccum], const Pipe&, uint32_t last_stage,
-//       uint32_t num_k_blocks, uint32_t lane);   waits for the last wgmmas and frees their stage.
+//   template <uint32_t kSlices, class Pipe> static uint32_t mma(float (&acc)[kSlices][kNumAccum],
+//       const Pipe&, PipelineState&, uint32_t num_k_blocks, const StageLayout&, uint32_t first_slice,
+//       uint32_t lane);
+//     issues the tile's k-blocks for the 64-row slices first_slice .. first_slice + kSlices - 1 of
+//     the A stages (waiting on each stage's full barrier, freeing each stage once its wgmmas are
+//     done except the last), returns the last stage;
+//   template <uint32_t kSlices, class Pipe> static void finish(float (&acc)[kSlices][kNumAccum],
+//       const Pipe&, uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane);
+//     waits for the last wgmmas and frees their stage.
 // An fp8 mainloop (QGMMA, per-128-K promotion, scale loads) is another policy with this contract.
 
 #include <cstdint>
@@ -34,30 +36,30 @@ struct MainloopBF16 {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     static constexpr uint32_t kNumAccum = MMA::kNumAccum;
 
-    template <class Pipe>
-    __device__ __forceinline__ static uint32_t mma(float (&acc)[kNumAccum], const Pipe& pipe,
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static uint32_t mma(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                    sm90::PipelineState<Traits::kNumStages>& st,
-                                                   uint32_t num_k_blocks, const Stages& stages, uint32_t slice,
+                                                   uint32_t num_k_blocks, const Stages& stages, uint32_t first_slice,
                                                    uint32_t lane) {
         uint32_t prev_stage = 0;
         for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();  // the gathered rows were written by cp.async (generic proxy)
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                ptx::fence_operand(acc[i]);
+            fence_accumulators(acc);
             ptx::wgmma_fence();
 #pragma unroll
             for (uint32_t k = 0; k < BLOCK_K / MMA::K; ++k) {
-                const uint64_t desc_a = mma::tile_desc<Traits::kMajorA>(stages.a(st.stage), slice * 64, k);
-                const uint64_t desc_b = mma::tile_desc<Traits::kMajorB>(stages.b(st.stage), 0, k);
-                MMA::mma(acc, desc_a, desc_b, 1u);
+#pragma unroll
+                for (uint32_t s = 0; s < kSlices; ++s) {
+                    const uint64_t desc_a =
+                        mma::tile_desc<Traits::kMajorA>(stages.a(st.stage), (first_slice + s) * 64, k);
+                    const uint64_t desc_b = mma::tile_desc<Traits::kMajorB>(stages.b(st.stage), 0, k);
+                    MMA::mma(acc[s], desc_a, desc_b, 1u);
+                }
             }
             ptx::wgmma_commit_group();
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                ptx::fence_operand(acc[i]);
+            fence_accumulators(acc);
             // Keep this k-block's wgmmas in flight; the previous one is done, free its stage.
             ptx::wgmma_wait_group<1>();
             if (kb > 0)
@@ -68,15 +70,24 @@ struct MainloopBF16 {
         return prev_stage;
     }
 
-    template <class Pipe>
-    __device__ __forceinline__ static void finish(float (&acc)[kNumAccum], const Pipe& pipe, uint32_t last_stage,
-                                                  uint32_t num_k_blocks, uint32_t lane) {
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static void finish(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+                                                  uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane) {
         ptx::wgmma_wait_group<0>();
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i)
-            ptx::fence_operand(acc[i]);
+        fence_accumulators(acc);
         if (num_k_blocks > 0)
             pipe.consumer_release(last_stage, lane);
+    }
+
+private:
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void fence_accumulators(float (&acc)[kSlices][kNumAccum]) {
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+#pragma unroll
+            for (uint32_t i = 0; i < kNumAccum; ++i)
+                ptx::fence_operand(acc[s][i]);
+        }
     }
 };
 
