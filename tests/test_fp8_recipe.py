@@ -484,7 +484,8 @@ def test_layer_nonfinite_positions_match_the_reference(where):
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import plan  # noqa: E402
 
-from gpu_utils import poison_allocator, requires_cuda, run_layer  # noqa: E402
+from conftest import poison_cached_memory, requires_cuda  # noqa: E402
+from gpu_utils import run_layer  # noqa: E402
 
 
 def _layer(recipe="fp8", backend="auto"):
@@ -600,7 +601,7 @@ def test_gpu_layer_recipe_fp8_matches_the_emulation(routing, clamp):
     y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
     emulated = fp8.fp8_reference_layer(x, idx, w, l1, l2, clamp, dy)
     for backend in backends:
-        poison_allocator(1 << 28)
+        poison_cached_memory(reserve_bytes=1 << 28)
         y, grads = run_layer(_layer(backend=backend), x, idx, w, l1, l2, clamp, dy)
         for name, out, emu, r in zip(OUTPUTS, (y, *grads), emulated, (y_ref, *g_ref)):
             err, emu_err = rel_err(out, r), rel_err(emu, r)
