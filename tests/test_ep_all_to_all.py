@@ -1,0 +1,376 @@
+"""Expert parallelism over the torch.distributed all-to-all exchange, in multi-process gloo groups
+of 2, 3 and 4 ranks on 127.0.0.1 (nccl on GPUs where there is one per rank).
+
+The layer on every rank is checked against an fp64 reference of the whole layer: every rank
+builds all ranks' inputs from one fresh seed, the reference runs on the concatenated tokens and
+weights, and each rank compares its own y, dx, d topk_weights and its local experts' weight
+gradients. The four exchange pieces are checked on their own: the rows they move, adjointness,
+round trips, determinism, and that rows no token was sent to are never read.
+"""
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import deep_gemm_ext as dge
+from deep_gemm_ext.comm.all_to_all import (AllToAllExchange, EpBuffer, default_ep_buffer, exchange_bytes,
+                                           exchange_from_name, resolve_group)
+from deep_gemm_ext.reference import reference_forward, upcast
+from deep_gemm_ext.testing import make_routing, rel_err
+
+H, I, E_LOC, K = 32, 16, 2, 3
+TIMEOUT = timedelta(seconds=60)  # a hang in a collective fails the test instead of stalling CI
+
+BACKENDS = [
+    pytest.param("gloo", id="gloo"),
+    pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 4, reason="needs a CUDA GPU per rank (4 for the W=4 cases)")),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Process harness
+
+
+def _worker(rank, world, store_path, backend, scenario, seed, args):
+    torch.set_num_threads(1)
+    options = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=TIMEOUT, **options)
+    try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        globals()[scenario](rank, world, device, seed, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, scenario: str, *args, backend: str = "gloo") -> None:
+    """Run ``scenario(rank, world, device, seed, *args)`` on ``world`` fresh processes; a failure on
+    any rank fails the test with that rank's traceback."""
+    seed = random.randrange(2**31)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), backend, scenario, seed, args), nprocs=world)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs every rank can rebuild: all ranks' tokens, routings and expert shards from one seed.
+
+
+def _skewed_routing(num_tokens, num_experts, hot_rank, g):
+    """Top-k without repeats where ``hot_rank``'s experts are 50x as likely as any other."""
+    probs = torch.ones(num_tokens, num_experts, dtype=torch.float64)
+    probs[:, hot_rank * E_LOC:(hot_rank + 1) * E_LOC] = 50.0
+    if num_tokens == 0:
+        return torch.empty(0, K, dtype=torch.int64)
+    return torch.multinomial(probs, K, replacement=False, generator=g)
+
+
+def global_inputs(seed, world, counts, routing, dtype, device, num_local=E_LOC):
+    g = torch.Generator().manual_seed(seed)
+    num_experts = world * num_local
+    xs, idxs, ws, dys = [], [], [], []
+    for num_tokens in counts:
+        xs.append(torch.randn(num_tokens, H, generator=g))
+        if routing == "skewed":
+            idxs.append(_skewed_routing(num_tokens, num_experts, 1 % world, g))
+        else:
+            idxs.append(make_routing(num_tokens, num_experts, K, routing, generator=g))
+        w = torch.rand(num_tokens, K, generator=g) + 0.05
+        ws.append(w / w.sum(-1, keepdim=True))
+        dys.append(torch.randn(num_tokens, H, generator=g))
+    l1 = torch.randn(num_experts, 2 * I, H, generator=g) / H ** 0.5
+    l2 = torch.randn(num_experts, H, I, generator=g) / I ** 0.5
+    cast = dict(device=device, dtype=dtype)
+    w_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return ([x.to(**cast) for x in xs], [i.to(device) for i in idxs], [w.to(device, w_dtype) for w in ws],
+            l1.to(**cast), l2.to(**cast), [d.to(**cast) for d in dys])
+
+
+def reference_grads(xs, idxs, ws, l1, l2, dys, clamp):
+    """fp64 y and gradients of sum_r <y_r, dy_r> for the whole layer, split back per rank."""
+    x, w, l1_, l2_, dy = upcast(torch.cat(xs), torch.cat(ws), l1, l2, torch.cat(dys))
+    for t in (x, w, l1_, l2_):
+        t.requires_grad_(True)
+    y = reference_forward(x, torch.cat(idxs), w, l1_, l2_, clamp)
+    y.backward(dy)
+    counts = [len(t) for t in xs]
+    return (y.detach().split(counts), x.grad.split(counts), w.grad.split(counts), l1_.grad, l2_.grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# The expert-parallel layer under test: dispatch -> the local layer -> combine.
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, exchange, state):
+        x_r, idx_r, w_r, handle = exchange.dispatch(x, topk_idx, topk_weights)
+        ctx.exchange, ctx.handle = exchange, handle
+        state["handle"], state["idx_r"] = handle, idx_r
+        return x_r, w_r
+
+    @staticmethod
+    def backward(ctx, dx_r, dw_r):
+        dx, d_topk = ctx.exchange.dispatch_backward(dx_r, dw_r, ctx.handle)
+        return dx, d_topk, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_r, exchange, handle):
+        ctx.exchange, ctx.handle = exchange, handle
+        return exchange.combine(y_r, handle)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.exchange.combine_backward(dy, ctx.handle), None, None
+
+
+def ep_layer(x, topk_idx, topk_weights, l1, l2, group, buffer=None, clamp=None):
+    if buffer is None:
+        buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
+    exchange = exchange_from_name(buffer.group_name, l1.shape[0], buffer.max_tokens_per_rank)
+    state = {}
+    x_r, w_r = _Dispatch.apply(x, topk_weights, topk_idx, exchange, state)
+    y_r = dge.mega_moe_train(x_r, state["idx_r"], w_r, l1, l2, activation_clamp=clamp)
+    return _Combine.apply(y_r, exchange, state["handle"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenarios (run on every rank)
+
+
+def _run_layer(rank, world, device, inputs, buffer, clamp):
+    xs, idxs, ws, l1, l2, dys = inputs
+    x, w = xs[rank].clone().requires_grad_(True), ws[rank].clone().requires_grad_(True)
+    mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
+    l1_loc = l1[mine].clone().requires_grad_(True)
+    l2_loc = l2[mine].clone().requires_grad_(True)
+    y = ep_layer(x, idxs[rank], w, l1_loc, l2_loc, dist.group.WORLD, buffer, clamp)
+    y.backward(dys[rank])
+    return y.detach(), x.grad, w.grad, l1_loc.grad, l2_loc.grad
+
+
+LAYER_CASES = [
+    # (tokens per rank by rank, routing, dtype, explicit buffer, activation clamp)
+    ("uneven", "uniform", torch.float64, False, None),
+    ("zero_on_one_rank", "unused_slots", torch.float64, True, None),
+    ("uneven", "skewed", torch.float32, True, 0.7),
+    ("one_token", "one_expert", torch.float64, False, None),
+    ("uneven", "empty_experts", torch.float64, True, None),
+    ("uneven", "skewed", torch.bfloat16, False, None),
+]
+
+
+def _counts(kind, world):
+    return {"uneven": [5, 9, 2, 7][:world], "zero_on_one_rank": [6, 0, 4, 3][:world],
+            "one_token": [1] * world}[kind]
+
+
+def layer_matches_reference(rank, world, device, seed):
+    for case, (counts, routing, dtype, explicit, clamp) in enumerate(LAYER_CASES):
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            continue  # the GPU path computes in bf16 only
+        counts = _counts(counts, world)
+        inputs = global_inputs(seed + case, world, counts, routing, dtype, device)
+        buffer = EpBuffer(dist.group.WORLD, max(counts) + 1, H, K, dtype) if explicit else None
+        got = _run_layer(rank, world, device, inputs, buffer, clamp)
+        ref_y, ref_dx, ref_dw, ref_dl1, ref_dl2 = reference_grads(*inputs, clamp)
+        mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
+        refs = (ref_y[rank], ref_dx[rank], ref_dw[rank], ref_dl1[mine], ref_dl2[mine])
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+        for name, out, ref in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), got, refs):
+            assert out.shape == ref.shape, (case, name, out.shape, ref.shape)
+            if ref.numel():
+                err = rel_err(out, ref)
+                assert err <= tol, f"rank {rank} case {case} ({counts}, {routing}, {dtype}): {name} rel err {err:.3g}"
+        # Two runs give the same bits (no atomics, fixed summation order).
+        again = _run_layer(rank, world, device, inputs, buffer, clamp)
+        for a, b in zip(got, again):
+            assert torch.equal(a, b)
+
+
+def _expected_rows(rank, world, xs, idxs, ws, cap):
+    """What dispatch must deliver to ``rank``, built independently with loops."""
+    rows = world * cap
+    x_r = torch.zeros(rows, H, dtype=xs[0].dtype)
+    idx_r = torch.full((rows, K), -1, dtype=torch.int32)
+    w_r = torch.zeros(rows, K, dtype=ws[0].dtype)
+    for src in range(world):
+        for t in range(len(xs[src])):
+            for k in range(K):
+                e = int(idxs[src][t, k])
+                if e >= 0 and e // E_LOC == rank:
+                    x_r[src * cap + t] = xs[src][t]
+                    idx_r[src * cap + t, k] = e - rank * E_LOC
+                    w_r[src * cap + t, k] = ws[src][t, k]
+    return x_r, idx_r, w_r
+
+
+def _all_sum(value: torch.Tensor) -> float:
+    value = value.detach().double().reshape(1).cpu()
+    dist.all_reduce(value)
+    return float(value)
+
+
+def exchange_pieces(rank, world, device, seed):
+    counts = [4, 0, 7, 3][:world]
+    cap = 8
+    xs, idxs, ws, *_ = global_inputs(seed, world, counts, "unused_slots", torch.float64, device)
+    exchange = AllToAllExchange(dist.group.WORLD, E_LOC, cap)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    x_r, idx_r, w_r, handle = exchange.dispatch(x, idx, w)
+    assert exchange.num_rows == world * cap
+
+    # The rows, ids and weights each rank receives.
+    exp_x, exp_idx, exp_w = _expected_rows(rank, world, [t.cpu() for t in xs], [t.cpu() for t in idxs],
+                                           [t.cpu() for t in ws], cap)
+    assert idx_r.dtype == torch.int32
+    assert torch.equal(x_r.cpu(), exp_x) and torch.equal(idx_r.cpu(), exp_idx) and torch.equal(w_r.cpu(), exp_w)
+
+    # Round trips: combining the dispatched rows gives x times the number of ranks each token
+    # reached; d topk_weights of dispatch_backward(dw_r = w_r) is w itself on every used slot.
+    reached = torch.stack([((idx >= 0) & (idx // E_LOC == d)).any(-1) for d in range(world)]).sum(0)
+    assert torch.equal(exchange.combine(x_r, handle), x * reached.unsqueeze(-1).to(x.dtype))
+    dx, d_topk = exchange.dispatch_backward(x_r, w_r, handle)
+    assert torch.equal(d_topk, torch.where(idx >= 0, w, 0))
+    assert torch.equal(dx, x * reached.unsqueeze(-1).to(x.dtype))
+
+    # Rows no token was sent to are never read: NaN there changes nothing.
+    y_r = torch.randn(world * cap, H, dtype=x.dtype, device=device)
+    unsent = (idx_r < 0).all(-1)
+    poisoned = y_r.masked_fill(unsent.unsqueeze(-1), float("nan"))
+    assert torch.equal(exchange.combine(poisoned, handle), exchange.combine(y_r, handle))
+    dw_r = torch.randn(world * cap, K, dtype=w.dtype, device=device)
+    dx_p, dtopk_p = exchange.dispatch_backward(poisoned, dw_r.masked_fill(idx_r < 0, float("nan")), handle)
+    dx_c, dtopk_c = exchange.dispatch_backward(y_r, dw_r, handle)
+    assert torch.equal(dx_p, dx_c) and torch.equal(dtopk_p, dtopk_c)
+    assert not dtopk_c.isnan().any()
+
+    # Adjointness over the whole group: <combine(a), b> = <a, combine_backward(b)>, and the same
+    # for dispatch and dispatch_backward (rows and slot weights).
+    b = torch.randn_like(x)
+    lhs = _all_sum((exchange.combine(y_r, handle) * b).sum())
+    rhs = _all_sum((y_r * exchange.combine_backward(b, handle)).sum())
+    assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), (lhs, rhs)
+    a_x = torch.randn_like(x_r)
+    a_w = torch.randn_like(w_r)
+    dx_a, dw_a = exchange.dispatch_backward(a_x, a_w, handle)
+    lhs = _all_sum((x_r * a_x).sum() + (w_r * a_w).sum())
+    rhs = _all_sum((x * dx_a).sum() + (w * dw_a).sum())
+    assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), (lhs, rhs)
+
+    # combine_backward puts each source token's dy on the rows its dispatch filled, zero elsewhere.
+    dys = [torch.randn(n, H, dtype=x.dtype, generator=torch.Generator().manual_seed(seed + 1 + s)).to(device)
+           for s, n in enumerate(counts)]
+    exp_dy, _, _ = _expected_rows(rank, world, [t.cpu() for t in dys], [t.cpu() for t in idxs],
+                                  [t.cpu() for t in ws], cap)
+    assert torch.equal(exchange.combine_backward(dys[rank], handle).cpu(), exp_dy)
+
+    # Partial results are summed in fp32 and rounded once: 1 + 2^-8 + 2^-8 is 1 + 2^-7 in bf16,
+    # where adding in bf16 would round back to 1 at each step.
+    if world >= 3:
+        spread = torch.tensor([[0, E_LOC, 2 * E_LOC]], device=device)  # token 0 on ranks 0, 1, 2
+        _, _, _, handle_b = exchange.dispatch(torch.ones(1, H, dtype=torch.bfloat16, device=device), spread,
+                                              torch.ones(1, K, device=device))
+        partial = 1.0 if rank == 0 else 2.0 ** -8
+        y_b = torch.full((world * cap, H), partial, dtype=torch.bfloat16, device=device)
+        y = exchange.combine(y_b, handle_b)
+        assert torch.equal(y, torch.full_like(y, 1 + 2.0 ** -7))
+
+
+def default_buffer_and_mesh(rank, world, device, seed):
+    """The default buffer's capacity is the group's largest T, grows and never shrinks; a 1-D
+    DeviceMesh stands for its group and a 2-D one is refused."""
+    counts = [3, 5, 0, 2][:world]
+    buf = default_ep_buffer(dist.group.WORLD, counts[rank], H, K, torch.float32, device)
+    assert buf.max_tokens_per_rank == max(counts)
+    grown = default_ep_buffer(dist.group.WORLD, counts[rank] * 2, H, K, torch.float32, device)
+    assert grown.max_tokens_per_rank == 2 * max(counts)
+    kept = default_ep_buffer(dist.group.WORLD, 1, H, K, torch.float32, device)
+    assert kept is grown
+    assert buf.memory_bytes() == exchange_bytes(world, max(counts), H, K, torch.float32)
+    assert exchange_bytes(world, 10, H, K, torch.bfloat16) == 2 * world * 10 * (H * 2 + K * 8)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    assert resolve_group(mesh) is mesh.get_group()
+    inputs = global_inputs(seed, world, counts, "uniform", torch.float64, device)
+    via_pg = _run_layer(rank, world, device, inputs, EpBuffer(dist.group.WORLD, 5, H, K, torch.float64), None)
+    via_mesh = _run_layer(rank, world, device, inputs, EpBuffer(mesh, 5, H, K, torch.float64), None)
+    for a, b in zip(via_pg, via_mesh):
+        assert torch.equal(a, b)
+    if world == 4:
+        mesh2d = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "ep"))
+        with pytest.raises(ValueError, match=r"group is a 2-D DeviceMesh \(shape \(2, 2\)\); expected a 1-D mesh"):
+            EpBuffer(mesh2d, 4, H, K)
+        assert resolve_group(mesh2d["ep"]).size() == 2
+
+
+def bad_inputs(rank, world, device, seed):
+    xs, idxs, ws, *_ = global_inputs(seed, world, [6] * world, "uniform", torch.float32, device)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    # Local errors are raised before any collective; here every rank raises them.
+    with pytest.raises(ValueError, match=rf"rank {rank} passes 6 tokens but the exchange's capacity is "
+                                         rf"max_tokens_per_rank=4"):
+        AllToAllExchange(dist.group.WORLD, E_LOC, 4).dispatch(x, idx, w)
+    bad = idx.clone()
+    bad[2, 1] = world * E_LOC
+    with pytest.raises(ValueError, match=rf"topk_idx\[2, 1\] = {world * E_LOC} is out of range; expected "
+                                         rf"expert ids in \[-1, {world * E_LOC}\)"):
+        AllToAllExchange(dist.group.WORLD, E_LOC, 8).dispatch(x, bad, w)
+    # Every rank must own the same number of experts: all ranks learn who differs.
+    lopsided = E_LOC + (rank == 1)
+    per_rank = ", ".join(f"rank {r}: {E_LOC + (r == 1)}" for r in range(world))
+    with pytest.raises(ValueError, match=rf"num_local_experts differs across the expert-parallel group "
+                                         rf"\({per_rank}\); every rank must pass the same value"):
+        AllToAllExchange(dist.group.WORLD, lopsided, 8).dispatch(x, idx.clamp(max=world * lopsided - 1), w)
+    with pytest.raises(ValueError, match=r"max_tokens_per_rank differs across the expert-parallel group"):
+        AllToAllExchange(dist.group.WORLD, E_LOC, 8 + rank).dispatch(x, idx, w)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
+                                        "got object"):
+        AllToAllExchange(object(), E_LOC, 8)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None"):
+        EpBuffer(None, 8, H, K)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=0 must be at least 1"):
+        EpBuffer(dist.group.WORLD, 0, H, K)
+    with pytest.raises(TypeError, match="max_tokens_per_rank must be an int, got float"):
+        EpBuffer(dist.group.WORLD, 8.0, H, K)
+    # After all that the group still works.
+    x_r, *_ = AllToAllExchange(dist.group.WORLD, E_LOC, 8).dispatch(x, idx, w)
+    assert x_r.shape == (world * 8, H)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_layer_matches_fp64_reference(world, backend):
+    spawn(world, "layer_matches_reference", backend=backend)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_pieces(world):
+    spawn(world, "exchange_pieces")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_default_buffer_and_device_mesh(world):
+    spawn(world, "default_buffer_and_mesh")
+
+
+def test_bad_inputs():
+    spawn(2, "bad_inputs")
