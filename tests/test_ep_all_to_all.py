@@ -28,11 +28,12 @@ from deep_gemm_ext.testing import make_routing, rel_err
 H, I, E_LOC, K = 32, 16, 2, 3
 TIMEOUT = timedelta(seconds=60)  # a hang in a collective fails the test instead of stalling CI
 
-BACKENDS = [
-    pytest.param("gloo", id="gloo"),
-    pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
-        torch.cuda.device_count() < 4, reason="needs a CUDA GPU per rank (4 for the W=4 cases)")),
-]
+
+
+def backends(world):
+    return [pytest.param(world, "gloo", id=f"{world}-gloo"),
+            pytest.param(world, "nccl", id=f"{world}-nccl", marks=pytest.mark.skipif(
+                torch.cuda.device_count() < world, reason=f"needs a CUDA GPU per rank ({world})"))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,8 +357,7 @@ def bad_inputs(rank, world, device, seed):
 # Tests
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(("world", "backend"), [p for w in (2, 3, 4) for p in backends(w)])
 def test_layer_matches_fp64_reference(world, backend):
     spawn(world, "layer_matches_reference", backend=backend)
 
