@@ -9,6 +9,7 @@ from .adapters import (
     to_torchtitan_experts,
 )
 from .api import mega_moe_train
+from .comm.all_to_all import EpBuffer, ep_memory_bytes
 from .module import MegaMoE
 from .reference import reference_forward
 from .routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta, compute_routing_torch
@@ -19,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "mega_moe_train",
     "MegaMoE",
+    "EpBuffer",
+    "ep_memory_bytes",
     "MegaQwen3MoeSparseBlock",
     "replace_qwen3_moe_experts",
     "restore_qwen3_moe_experts",

@@ -9,9 +9,11 @@ round trips, determinism, and that rows no token was sent to are never read.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
+import traceback
 from datetime import timedelta
 
 import pytest
@@ -20,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deep_gemm_ext as dge
-from deep_gemm_ext.comm.all_to_all import (AllToAllExchange, EpBuffer, default_ep_buffer, exchange_bytes,
+from deep_gemm_ext.comm.all_to_all import (AllToAllExchange, EpBuffer, default_ep_buffer, ep_memory_bytes,
                                            exchange_from_name, resolve_group)
 from deep_gemm_ext.reference import reference_forward, upcast
 from deep_gemm_ext.testing import make_routing, rel_err
@@ -30,17 +32,21 @@ TIMEOUT = timedelta(seconds=60)  # a hang in a collective fails the test instead
 
 
 
-def backends(world):
-    return [pytest.param(world, "gloo", id=f"{world}-gloo"),
-            pytest.param(world, "nccl", id=f"{world}-nccl", marks=pytest.mark.skipif(
-                torch.cuda.device_count() < world, reason=f"needs a CUDA GPU per rank ({world})"))]
-
-
 # ------------------------------------------------------------------------------------------------
-# Process harness
+# Process harness: one group of processes per (world, backend) runs every scenario planned for
+# it (process start-up dominates the cost); each test then reads its scenario's verdict.
+
+SCENARIOS = {
+    2: ["exchange_pieces", "layer_matches_reference", "default_buffer_and_mesh", "api_bad_inputs",
+        "bad_inputs", "module_and_compile"],
+    3: ["exchange_pieces", "layer_matches_reference"],
+    4: ["layer_matches_reference", "default_buffer_and_mesh"],
+}
+#: What the GPU variant runs (bf16 only: the GPU path computes in bf16).
+GPU_SCENARIOS = ("layer_matches_reference",)
 
 
-def _worker(rank, world, store_path, backend, scenario, seed, args):
+def _worker(rank, world, store_path, backend, scenarios, seed, out_dir):
     torch.set_num_threads(1)
     options = {}
     if backend == "nccl":
@@ -48,19 +54,40 @@ def _worker(rank, world, store_path, backend, scenario, seed, args):
         options["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=TIMEOUT, **options)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    verdicts = {}
     try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        globals()[scenario](rank, world, device, seed, *args)
+        for name in scenarios:
+            try:
+                globals()[name](rank, world, device, seed)
+                verdicts[name] = None
+            except BaseException:  # noqa: BLE001 -- reported by the test of this scenario
+                verdicts[name] = traceback.format_exc()
+                break  # the ranks may now disagree on the collectives to come
     finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(verdicts, f)
         dist.destroy_process_group()
 
 
-def spawn(world: int, scenario: str, *args, backend: str = "gloo") -> None:
-    """Run ``scenario(rank, world, device, seed, *args)`` on ``world`` fresh processes; a failure on
-    any rank fails the test with that rank's traceback."""
-    seed = random.randrange(2**31)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), backend, scenario, seed, args), nprocs=world)
+_VERDICTS: dict[tuple, list[dict]] = {}
+
+
+def run_scenario(world: int, scenario: str, backend: str = "gloo") -> None:
+    """Fail with every failing rank's traceback unless ``scenario`` passed on all ``world`` ranks."""
+    key = (world, backend)
+    if key not in _VERDICTS:
+        seed = random.randrange(2**31)
+        scenarios = SCENARIOS[world] if backend == "gloo" else [s for s in SCENARIOS[world] if s in GPU_SCENARIOS]
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), backend, scenarios, seed, tmp), nprocs=world)
+            _VERDICTS[key] = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+    verdicts = _VERDICTS[key]
+    not_run = "not run: an earlier scenario failed in this group of processes"
+    failures = [f"rank {r}:\n{v.get(scenario, not_run)}" for r, v in enumerate(verdicts)
+                if v.get(scenario, not_run) is not None]
+    if failures:
+        pytest.fail(f"{scenario} on {world} ranks ({backend}):\n" + "\n".join(failures), pytrace=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,42 +136,12 @@ def reference_grads(xs, idxs, ws, l1, l2, dys, clamp):
 
 
 # ------------------------------------------------------------------------------------------------
-# The expert-parallel layer under test: dispatch -> the local layer -> combine.
-
-
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, exchange, state):
-        x_r, idx_r, w_r, handle = exchange.dispatch(x, topk_idx, topk_weights)
-        ctx.exchange, ctx.handle = exchange, handle
-        state["handle"], state["idx_r"] = handle, idx_r
-        return x_r, w_r
-
-    @staticmethod
-    def backward(ctx, dx_r, dw_r):
-        dx, d_topk = ctx.exchange.dispatch_backward(dx_r, dw_r, ctx.handle)
-        return dx, d_topk, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_r, exchange, handle):
-        ctx.exchange, ctx.handle = exchange, handle
-        return exchange.combine(y_r, handle)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return ctx.exchange.combine_backward(dy, ctx.handle), None, None
+# The layer under test: the public API over the group.
 
 
 def ep_layer(x, topk_idx, topk_weights, l1, l2, group, buffer=None, clamp=None):
-    if buffer is None:
-        buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
-    exchange = exchange_from_name(buffer.group_name, l1.shape[0], buffer.max_tokens_per_rank)
-    state = {}
-    x_r, w_r = _Dispatch.apply(x, topk_weights, topk_idx, exchange, state)
-    y_r = dge.mega_moe_train(x_r, state["idx_r"], w_r, l1, l2, activation_clamp=clamp)
-    return _Combine.apply(y_r, exchange, state["handle"])
+    return dge.mega_moe_train(x, topk_idx, topk_weights, l1, l2, group=group, ep_buffer=buffer,
+                              activation_clamp=clamp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,8 +297,8 @@ def default_buffer_and_mesh(rank, world, device, seed):
     assert grown.max_tokens_per_rank == 2 * max(counts)
     kept = default_ep_buffer(dist.group.WORLD, 1, H, K, torch.float32, device)
     assert kept is grown
-    assert buf.memory_bytes() == exchange_bytes(world, max(counts), H, K, torch.float32)
-    assert exchange_bytes(world, 10, H, K, torch.bfloat16) == 2 * world * 10 * (H * 2 + K * 8)
+    assert buf.memory_bytes() == ep_memory_bytes(world, max(counts), H, K, torch.float32)
+    assert ep_memory_bytes(world, 10, H, K, torch.bfloat16) == 2 * world * 10 * (H * 2 + K * 8)
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -326,19 +323,15 @@ def bad_inputs(rank, world, device, seed):
     with pytest.raises(ValueError, match=rf"rank {rank} passes 6 tokens but the exchange's capacity is "
                                          rf"max_tokens_per_rank=4"):
         AllToAllExchange(dist.group.WORLD, E_LOC, 4).dispatch(x, idx, w)
-    bad = idx.clone()
-    bad[2, 1] = world * E_LOC
-    with pytest.raises(ValueError, match=rf"topk_idx\[2, 1\] = {world * E_LOC} is out of range; expected "
-                                         rf"expert ids in \[-1, {world * E_LOC}\)"):
-        AllToAllExchange(dist.group.WORLD, E_LOC, 8).dispatch(x, bad, w)
-    # Every rank must own the same number of experts: all ranks learn who differs.
+    # Every rank must own the same number of experts: all ranks learn who differs (capacities no
+    # earlier call used: the check runs at the first call of a shape class).
     lopsided = E_LOC + (rank == 1)
     per_rank = ", ".join(f"rank {r}: {E_LOC + (r == 1)}" for r in range(world))
     with pytest.raises(ValueError, match=rf"num_local_experts differs across the expert-parallel group "
                                          rf"\({per_rank}\); every rank must pass the same value"):
-        AllToAllExchange(dist.group.WORLD, lopsided, 8).dispatch(x, idx.clamp(max=world * lopsided - 1), w)
+        AllToAllExchange(dist.group.WORLD, lopsided, 31).dispatch(x, idx.clamp(max=world * lopsided - 1), w)
     with pytest.raises(ValueError, match=r"max_tokens_per_rank differs across the expert-parallel group"):
-        AllToAllExchange(dist.group.WORLD, E_LOC, 8 + rank).dispatch(x, idx, w)
+        AllToAllExchange(dist.group.WORLD, E_LOC, 40 + rank).dispatch(x, idx, w)
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
                                         "got object"):
         AllToAllExchange(object(), E_LOC, 8)
@@ -353,24 +346,131 @@ def bad_inputs(rank, world, device, seed):
     assert x_r.shape == (world * 8, H)
 
 
+def api_bad_inputs(rank, world, device, seed):
+    """What mega_moe_train says about expert-parallel arguments. Each bad input is bad on every rank
+    (a rank that raised alone would leave the others waiting in a collective until the timeout)."""
+    xs, idxs, ws, l1, l2, _ = global_inputs(seed, world, [6] * world, "uniform", torch.float32, device)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    l1, l2 = l1[rank * E_LOC:(rank + 1) * E_LOC], l2[rank * E_LOC:(rank + 1) * E_LOC]
+    group = dist.group.WORLD
+    num_experts = world * E_LOC
+
+    def call(**kw):
+        args = dict(x=x, topk_idx=idx, topk_weights=w, l1_weights=l1, l2_weights=l2)
+        args.update({k: v for k, v in kw.items() if k in args})
+        options = {k: v for k, v in kw.items() if k not in args}
+        return dge.mega_moe_train(*args.values(), **{"group": group, **options})
+
+    bad = idx.clone()
+    bad[2, 1] = num_experts
+    with pytest.raises(ValueError, match=rf"topk_idx\[2, 1\] = {num_experts} is out of range; expected expert ids "
+                                         rf"in \[-1, {num_experts}\)"):
+        call(topk_idx=bad)
+    with pytest.raises(ValueError, match=rf"rank {rank} passes 6 tokens but the exchange's capacity is "
+                                         rf"max_tokens_per_rank=4"):
+        call(ep_buffer=EpBuffer(group, 4, H, K, torch.float32))
+    with pytest.raises(TypeError, match="ep_buffer must be a deep_gemm_ext.EpBuffer or None, got int"):
+        call(ep_buffer=8)
+    with pytest.raises(ValueError, match="ep_buffer is given but group is None; pass the group the buffer was made for"):
+        call(group=None, ep_buffer=EpBuffer(group, 8, H, K, torch.float32))
+    other = dist.new_group(list(range(world)))
+    with pytest.raises(ValueError, match=rf"ep_buffer was made for group '{other.group_name}' but group is "
+                                         rf"'{group.group_name}'; expected the same group"):
+        call(ep_buffer=EpBuffer(other, 8, H, K, torch.float32))
+    with pytest.raises(ValueError, match=rf"ep_buffer has hidden={2 * H} but the inputs have hidden={H}"):
+        call(ep_buffer=EpBuffer(group, 8, 2 * H, K, torch.float32))
+    with pytest.raises(ValueError, match=r"ep_buffer has dtype=torch.bfloat16 but the inputs have dtype=torch.float32"):
+        call(ep_buffer=EpBuffer(group, 8, H, K, torch.bfloat16))
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
+                                        "got object"):
+        call(group=object())
+    # Ranks holding different numbers of experts: every rank is told which differ, at the first call
+    # of a shape class (here a capacity no call used before).
+    extra = int(rank == 1)
+    l1_x = torch.cat([l1, l1[:extra]]) if extra else l1
+    l2_x = torch.cat([l2, l2[:extra]]) if extra else l2
+    per_rank = ", ".join(f"rank {r}: {E_LOC + (r == 1)}" for r in range(world))
+    with pytest.raises(ValueError, match=rf"num_local_experts differs across the expert-parallel group \({per_rank}\)"):
+        call(l1_weights=l1_x, l2_weights=l2_x, ep_buffer=EpBuffer(group, 13, H, K, torch.float32))
+    # The group still works after all of that.
+    assert call().shape == x.shape
+
+
+def module_and_compile(rank, world, device, seed):
+    """MegaMoE over a 1-D DeviceMesh matches the fp64 reference; torch.compile(fullgraph=True) of
+    the layer with an EpBuffer is bit-equal to eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    counts = [7, 4, 0, 5][:world]
+    inputs = global_inputs(seed, world, counts, "unused_slots", torch.float64, device)
+    xs, idxs, ws, l1, l2, dys = inputs
+    mesh = init_device_mesh(device.type, (world,))
+    moe = dge.MegaMoE(world * E_LOC, H, I, K, group=mesh, device=device, dtype=torch.float64)
+    assert (moe.num_local_experts, moe.expert_offset) == (E_LOC, rank * E_LOC)
+    mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
+    with torch.no_grad():
+        moe.l1_weights.copy_(l1[mine])
+        moe.l2_weights.copy_(l2[mine])
+    x = xs[rank].clone().requires_grad_(True)
+    y = moe(x, idxs[rank], ws[rank])
+    y.backward(dys[rank])
+    ref_y, ref_dx, _, ref_dl1, ref_dl2 = reference_grads(*inputs, None)
+    for name, out, ref in (("y", y, ref_y[rank]), ("dx", x.grad, ref_dx[rank]),
+                           ("d_l1", moe.l1_weights.grad, ref_dl1[mine]), ("d_l2", moe.l2_weights.grad, ref_dl2[mine])):
+        assert out.shape == ref.shape
+        if ref.numel():
+            assert rel_err(out, ref) <= 1e-12, (name, rel_err(out, ref))
+
+    buffer = EpBuffer(mesh, max(counts), H, K, torch.float64)
+    group = dist.group.WORLD
+
+    def layer(x, idx, w, l1_, l2_):
+        return dge.mega_moe_train(x, idx, w, l1_, l2_, group=group, ep_buffer=buffer)
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (xs[rank], ws[rank], l1[mine], l2[mine])]
+        out = fn(leaves[0], idxs[rank], *leaves[1:])
+        return (out.detach(), *torch.autograd.grad(out, leaves, dys[rank]))
+
+    eager = run(layer)
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    for a_, b_ in zip(eager, compiled):
+        assert torch.equal(a_, b_)
+
+
 # ------------------------------------------------------------------------------------------------
 # Tests
 
 
-@pytest.mark.parametrize(("world", "backend"), [p for w in (2, 3, 4) for p in backends(w)])
+def _gpu(world):
+    return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"needs a CUDA GPU per rank ({world})")
+
+
+@pytest.mark.parametrize(("world", "backend"), [
+    *[pytest.param(w, "gloo", id=f"{w}-gloo") for w in (2, 3, 4)],
+    *[pytest.param(w, "nccl", id=f"{w}-nccl", marks=_gpu(w)) for w in (2, 4)],
+])
 def test_layer_matches_fp64_reference(world, backend):
-    spawn(world, "layer_matches_reference", backend=backend)
+    run_scenario(world, "layer_matches_reference", backend)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_exchange_pieces(world):
-    spawn(world, "exchange_pieces")
+    run_scenario(world, "exchange_pieces")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_default_buffer_and_device_mesh(world):
-    spawn(world, "default_buffer_and_mesh")
+    run_scenario(world, "default_buffer_and_mesh")
 
 
-def test_bad_inputs():
-    spawn(2, "bad_inputs")
+def test_exchange_bad_inputs():
+    run_scenario(2, "bad_inputs")
+
+
+def test_api_bad_inputs():
+    run_scenario(2, "api_bad_inputs")
+
+
+def test_module_and_compile():
+    run_scenario(2, "module_and_compile")

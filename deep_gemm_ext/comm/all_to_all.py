@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..validation import check_expert_ids
-
 # Shapes and dtypes every rank must agree on before the first exchange (equal-split all-to-all
 # would otherwise mis-slice rows or hang). Dtypes travel as their index here.
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: Shape classes whose agreement check passed, with the group it passed on (names are reused).
+_AGREED: dict[tuple, dist.ProcessGroup] = {}
 
 
 def resolve_group(group):
@@ -50,7 +50,7 @@ def resolve_group(group):
                     f"{type(group).__name__}")
 
 
-def exchange_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_k: int,
+def ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_k: int,
                    dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.float32) -> int:
     """Bytes one ``dispatch`` allocates: the send and receive copies of ``W * max_tokens_per_rank``
     token rows (``hidden`` elements of ``dtype``) and of their routing (``top_k`` int32 ids and
@@ -79,6 +79,10 @@ class EpBuffer:
         self.group = resolve_group(group)
         if self.group is None:
             raise TypeError("group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None")
+        if any(c in self.group.group_name for c in ";="):
+            # The name travels inside the plan string (deep_gemm_ext.plan), whose separators these are.
+            raise ValueError(f"group name {self.group.group_name!r} contains ';' or '='; expected a group made by "
+                             f"torch.distributed.new_group or a DeviceMesh")
         for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -95,10 +99,14 @@ class EpBuffer:
     def group_name(self) -> str:
         return self.group.group_name
 
+    def exchange_spec(self, num_local_experts: int) -> str:
+        """How a plan names the exchange over this buffer for ``num_local_experts`` experts a rank."""
+        return f"all_to_all:{self.group_name}:{num_local_experts}:{self.max_tokens_per_rank}"
+
     def memory_bytes(self) -> int:
-        """Bytes one dispatch allocates (see :func:`exchange_bytes`)."""
+        """Bytes one dispatch allocates (see :func:`ep_memory_bytes`)."""
         weight_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        return exchange_bytes(self.group.size(), self.max_tokens_per_rank, self.hidden, self.top_k, self.dtype,
+        return ep_memory_bytes(self.group.size(), self.max_tokens_per_rank, self.hidden, self.top_k, self.dtype,
                               weight_dtype)
 
     def __repr__(self) -> str:
@@ -146,22 +154,39 @@ class AllToAllExchange:
         self.rank = self.group.rank()
         self.num_local_experts = int(num_local_experts)
         self.capacity = int(max_tokens_per_rank)
-        self._agreed: set[tuple] = set()
 
     @property
     def num_rows(self) -> int:
         """R: rows every rank receives (``W * max_tokens_per_rank``)."""
         return self.world_size * self.capacity
 
+    # -- sizes, for the custom ops' fake implementations ----------------------------------------
+
+    def received_rows(self, num_tokens: int) -> int:
+        return self.num_rows
+
+    def handle_like(self, x: torch.Tensor, topk_idx: torch.Tensor) -> list[torch.Tensor]:
+        """Empty tensors shaped like dispatch's handle: which ranks each token went to, and the rank
+        owning each slot's expert (-1 for unused slots)."""
+        num_tokens, top_k = topk_idx.shape
+        return [torch.empty(self.world_size, num_tokens, dtype=torch.bool, device=x.device),
+                torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)]
+
+    def num_experts(self, num_local_experts: int) -> int:
+        return self.world_size * num_local_experts
+
     # -- checks -----------------------------------------------------------------------------
 
     def _check_agreement(self, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Once per (hidden, top_k, dtype): every rank has the same E_loc, capacity and shapes.
+        """Once per shape class (group, capacity, hidden, top_k, dtype): every rank has the same E_loc,
+        capacity and shapes.
 
         One all_gather and a host sync; skipped while a CUDA graph is captured (run one eager step
-        before capturing)."""
-        key = (hidden, top_k, dtype)
-        if key in self._agreed or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        before capturing). The key leaves E_loc out on purpose: whether to check must be decided
+        alike on every rank, and E_loc is what may differ; so a rank that changes its E_loc in a
+        shape class the group already checked is not caught."""
+        key = (self.group.group_name, self.capacity, hidden, top_k, dtype)
+        if _AGREED.get(key) is self.group or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype")
         mine = torch.tensor([self.num_local_experts, self.capacity, hidden, top_k, _DTYPES.index(dtype)],
@@ -177,7 +202,7 @@ class AllToAllExchange:
                 per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
                 raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}); every rank "
                                  f"must pass the same value")
-        self._agreed.add(key)
+        _AGREED[key] = self.group
 
     # -- the four pieces -----------------------------------------------------------------------
 
@@ -194,7 +219,6 @@ class AllToAllExchange:
             raise ValueError(f"rank {self.rank} passes {num_tokens} tokens but the exchange's capacity is "
                              f"max_tokens_per_rank={cap}; create the EpBuffer with max_tokens_per_rank >= "
                              f"{num_tokens}")
-        check_expert_ids(topk_idx, world * num_local)
         self._check_agreement(hidden, top_k, x.dtype, x.device)
 
         ids = topk_idx.long()
@@ -265,6 +289,7 @@ class AllToAllExchange:
 
 
 _EXCHANGES: dict[tuple, AllToAllExchange] = {}
+
 
 
 def exchange_from_name(group_name: str, num_local_experts: int, max_tokens_per_rank: int) -> AllToAllExchange:
