@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deep_gemm_ext as dge
+from deep_gemm_ext import comm
 from deep_gemm_ext.comm.all_to_all import (AllToAllExchange, EpBuffer, default_ep_buffer, ep_memory_bytes,
                                            exchange_from_name, resolve_group)
 from deep_gemm_ext.reference import reference_forward, upcast
@@ -167,6 +168,7 @@ LAYER_CASES = [
     ("one_token", "one_expert", torch.float64, False, None),
     ("uneven", "empty_experts", torch.float64, True, None),
     ("uneven", "skewed", torch.bfloat16, False, None),
+    ("zero_on_one_rank", "unused_slots", torch.bfloat16, True, 0.7),
 ]
 
 
@@ -186,7 +188,7 @@ def layer_matches_reference(rank, world, device, seed):
         ref_y, ref_dx, ref_dw, ref_dl1, ref_dl2 = reference_grads(*inputs, clamp)
         mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
         refs = (ref_y[rank], ref_dx[rank], ref_dw[rank], ref_dl1[mine], ref_dl2[mine])
-        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
         for name, out, ref in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), got, refs):
             assert out.shape == ref.shape, (case, name, out.shape, ref.shape)
             if ref.numel():
@@ -298,6 +300,10 @@ def default_buffer_and_mesh(rank, world, device, seed):
     kept = default_ep_buffer(dist.group.WORLD, 1, H, K, torch.float32, device)
     assert kept is grown
     assert buf.memory_bytes() == ep_memory_bytes(world, max(counts), H, K, torch.float32)
+    # The plan names the exchange by a string; the same string gives the same (cached) exchange.
+    exchange = comm.exchange(buf.exchange_spec(E_LOC))
+    assert exchange is exchange_from_name(buf.group_name, E_LOC, max(counts))
+    assert (exchange.num_local_experts, exchange.capacity, exchange.num_rows) == (E_LOC, max(counts), world * max(counts))
     assert ep_memory_bytes(world, 10, H, K, torch.bfloat16) == 2 * world * 10 * (H * 2 + K * 8)
 
     from torch.distributed.device_mesh import init_device_mesh

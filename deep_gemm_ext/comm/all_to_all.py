@@ -65,7 +65,8 @@ def ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_
 class EpBuffer:
     """Capacity of the all-to-all exchange for one (group, shape class): create it once, pass it on
     every call. ``max_tokens_per_rank`` is the most tokens any rank passes (the same on every rank);
-    with it no call syncs with the host, so the layer can run under CUDA graphs and torch.compile.
+    with it the exchange syncs with the host only at the first call of a shape class (the ranks'
+    agreement check), so the layer can run under CUDA graphs and torch.compile.
 
     Without one, the layer finds the capacity itself with one all_reduce of the ranks' token
     counts per call (a host sync), see :func:`default_ep_buffer`.
@@ -227,8 +228,6 @@ class AllToAllExchange:
         on_dest = slot_rank.unsqueeze(0) == dest                                            # [W, T, K]
         sent = on_dest.any(-1)                                                              # [W, T]
 
-        send_x = x.new_zeros(world, cap, hidden)
-        send_x[:, :num_tokens] = torch.where(sent.unsqueeze(-1), x.unsqueeze(0), 0)
         send_idx = torch.full((world, cap, top_k), -1, dtype=torch.int32, device=x.device)
         send_idx[:, :num_tokens] = torch.where(on_dest, ids.unsqueeze(0) - dest * num_local, -1).to(torch.int32)
         send_w = topk_weights.new_zeros(world, cap, top_k)
@@ -236,7 +235,7 @@ class AllToAllExchange:
         # Ids and weights travel together as bytes: one collective instead of two.
         send_meta = torch.cat([send_idx.view(torch.uint8), send_w.view(torch.uint8)], dim=-1)
 
-        x_r = self._all_to_all(send_x.view(world * cap, hidden))
+        x_r = self._all_to_all(self._scatter_to_ranks(x, sent))
         meta_r = self._all_to_all(send_meta.view(world * cap, -1))
         idx_bytes = top_k * 4
         idx_r = meta_r[:, :idx_bytes].contiguous().view(torch.int32)
@@ -282,6 +281,7 @@ class AllToAllExchange:
         return acc.to(back.dtype)
 
     def _scatter_to_ranks(self, rows: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+        """[R, ...]: row t of block d is rows[t] where token t goes to rank d, else zero."""
         world, num_tokens = sent.shape
         out = rows.new_zeros(world, self.capacity, rows.shape[1])
         out[:, :num_tokens] = torch.where(sent.unsqueeze(-1), rows.unsqueeze(0), 0)
@@ -291,11 +291,10 @@ class AllToAllExchange:
 _EXCHANGES: dict[tuple, AllToAllExchange] = {}
 
 
-
 def exchange_from_name(group_name: str, num_local_experts: int, max_tokens_per_rank: int) -> AllToAllExchange:
     """The exchange for a group given by name (custom-op arguments can only be tensors, scalars and
-    strings; functional collectives resolve groups the same way). Cached, so the cross-rank
-    agreement check runs once per configuration."""
+    strings; functional collectives resolve groups the same way), cached per (group, E_loc,
+    capacity)."""
     group = _resolve_process_group(group_name)
     key = (group_name, num_local_experts, max_tokens_per_rank)
     exchange = _EXCHANGES.get(key)
