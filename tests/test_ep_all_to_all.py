@@ -43,8 +43,8 @@ SCENARIOS = {
     3: ["exchange_pieces", "layer_matches_reference"],
     4: ["layer_matches_reference", "default_buffer_and_mesh"],
 }
-#: What the GPU variant runs (bf16 only: the GPU path computes in bf16).
-GPU_SCENARIOS = ("layer_matches_reference",)
+#: What the nccl variants run (on GPUs the layer computes in bf16 only).
+GPU_SCENARIOS = ("layer_matches_reference", "gpu_kernels_and_cuda_graph")
 
 
 def _worker(rank, world, store_path, backend, scenarios, seed, out_dir):
@@ -79,7 +79,7 @@ def run_scenario(world: int, scenario: str, backend: str = "gloo") -> None:
     key = (world, backend)
     if key not in _VERDICTS:
         seed = random.randrange(2**31)
-        scenarios = SCENARIOS[world] if backend == "gloo" else [s for s in SCENARIOS[world] if s in GPU_SCENARIOS]
+        scenarios = SCENARIOS[world] if backend == "gloo" else GPU_SCENARIOS
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), backend, scenarios, seed, tmp), nprocs=world)
             _VERDICTS[key] = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
@@ -104,21 +104,21 @@ def _skewed_routing(num_tokens, num_experts, hot_rank, g):
     return torch.multinomial(probs, K, replacement=False, generator=g)
 
 
-def global_inputs(seed, world, counts, routing, dtype, device, num_local=E_LOC):
+def global_inputs(seed, world, counts, routing, dtype, device, num_local=E_LOC, hidden=H, inter=I):
     g = torch.Generator().manual_seed(seed)
     num_experts = world * num_local
     xs, idxs, ws, dys = [], [], [], []
     for num_tokens in counts:
-        xs.append(torch.randn(num_tokens, H, generator=g))
+        xs.append(torch.randn(num_tokens, hidden, generator=g))
         if routing == "skewed":
             idxs.append(_skewed_routing(num_tokens, num_experts, 1 % world, g))
         else:
             idxs.append(make_routing(num_tokens, num_experts, K, routing, generator=g))
         w = torch.rand(num_tokens, K, generator=g) + 0.05
         ws.append(w / w.sum(-1, keepdim=True))
-        dys.append(torch.randn(num_tokens, H, generator=g))
-    l1 = torch.randn(num_experts, 2 * I, H, generator=g) / H ** 0.5
-    l2 = torch.randn(num_experts, H, I, generator=g) / I ** 0.5
+        dys.append(torch.randn(num_tokens, hidden, generator=g))
+    l1 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    l2 = torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5
     cast = dict(device=device, dtype=dtype)
     w_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return ([x.to(**cast) for x in xs], [i.to(device) for i in idxs], [w.to(device, w_dtype) for w in ws],
@@ -404,7 +404,7 @@ def api_bad_inputs(rank, world, device, seed):
 
 def module_and_compile(rank, world, device, seed):
     """MegaMoE over a 1-D DeviceMesh matches the fp64 reference; torch.compile(fullgraph=True) of
-    the layer with an EpBuffer is bit-equal to eager."""
+    the layer with an EpBuffer is bit-equal to eager; opcheck passes on both ops."""
     from torch.distributed.device_mesh import init_device_mesh
 
     counts = [7, 4, 0, 5][:world]
@@ -443,6 +443,71 @@ def module_and_compile(rank, world, device, seed):
     for a_, b_ in zip(eager, compiled):
         assert torch.equal(a_, b_)
 
+    # opcheck on the arguments the layer passes to its two ops under expert parallelism: the fakes
+    # size the received rows and the exchange's handle as the real ops make them.
+    from test_compile import RecordOps, fresh
+    from torch.library import opcheck
+
+    with RecordOps() as recorder:
+        run(layer)
+    args, kwargs = recorder.calls["deep_gemm_ext::mega_moe_fwd"]
+    opcheck(torch.ops.deep_gemm_ext.mega_moe_fwd.default, fresh(args, True), kwargs)
+    args, kwargs = recorder.calls["deep_gemm_ext::mega_moe_bwd"]
+    opcheck(torch.ops.deep_gemm_ext.mega_moe_bwd.default, fresh(args, False), kwargs)
+
+
+def gpu_kernels_and_cuda_graph(rank, world, device, seed):
+    """On GPUs (nccl): shapes our SM90 kernels take (H, 2I multiples of 128) against fp64, then
+    forward + backward captured in one CUDA graph and replayed with new inputs and routing,
+    bit-equal to eager."""
+    hidden, inter, counts = 256, 128, [300, 129, 0, 77][:world]
+    buffer = EpBuffer(dist.group.WORLD, 320, hidden, K, torch.bfloat16)
+    mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
+
+    def inputs(seed_, routing):
+        return global_inputs(seed_, world, counts, routing, torch.bfloat16, device, hidden=hidden, inter=inter)
+
+    first = inputs(seed, "skewed")
+    ref = reference_grads(*first, None)
+    xs, idxs, ws, l1, l2, dys = first
+    static = [t.clone().requires_grad_(t.is_floating_point())
+              for t in (xs[rank], idxs[rank], ws[rank], l1[mine], l2[mine])]
+    sx, sidx, sw, sl1, sl2 = static
+    sdy = dys[rank].clone()
+
+    def step():
+        y = ep_layer(sx, sidx, sw, sl1, sl2, dist.group.WORLD, buffer)
+        return (y, *torch.autograd.grad(y, (sx, sw, sl1, sl2), sdy))
+
+    eager = [t.detach().clone() for t in step()]
+    for name, out, want in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), eager,
+                               (ref[0][rank], ref[1][rank], ref[2][rank], ref[3][mine], ref[4][mine])):
+        if want.numel():
+            err = rel_err(out, want)
+            assert err <= 1e-2, f"rank {rank}: {name} rel err {err:.3g}"
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: JIT compiles, allocator pools, the ranks' agreement check
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for k, routing in enumerate(("uniform", "unused_slots")):
+        xs, idxs, ws, l1, l2, dys = inputs(seed + 1 + k, routing)
+        with torch.no_grad():
+            for dst, src in zip((*static, sdy), (xs[rank], idxs[rank], ws[rank], l1[mine], l2[mine], dys[rank])):
+                dst.copy_(src)
+        graph.replay()
+        fresh_leaves = [t.detach().clone().requires_grad_(True) for t in (xs[rank], ws[rank], l1[mine], l2[mine])]
+        y = ep_layer(fresh_leaves[0], idxs[rank], fresh_leaves[1], *fresh_leaves[2:], dist.group.WORLD, buffer)
+        want = (y, *torch.autograd.grad(y, fresh_leaves, dys[rank]))
+        torch.cuda.synchronize()
+        for name, got, ref_ in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), outs, want):
+            assert torch.equal(got, ref_), f"rank {rank} {routing}: replayed {name} differs from eager"
+
 
 # ------------------------------------------------------------------------------------------------
 # Tests
@@ -480,3 +545,8 @@ def test_api_bad_inputs():
 
 def test_module_and_compile():
     run_scenario(2, "module_and_compile")
+
+
+@_gpu(2)
+def test_gpu_kernels_and_cuda_graph():
+    run_scenario(2, "gpu_kernels_and_cuda_graph", "nccl")
