@@ -237,6 +237,8 @@ def exchange_pieces(rank, world, device, seed):
                                            [t.cpu() for t in ws], cap)
     assert idx_r.dtype == torch.int32
     assert torch.equal(x_r.cpu(), exp_x) and torch.equal(idx_r.cpu(), exp_idx) and torch.equal(w_r.cpu(), exp_w)
+    again = exchange.dispatch(x, idx, w)
+    assert all(torch.equal(a, b) for a, b in zip((x_r, idx_r, w_r, *handle), (*again[:3], *again[3])))
 
     # Round trips: combining the dispatched rows gives x times the number of ranks each token
     # reached; d topk_weights of dispatch_backward(dw_r = w_r) is w itself on every used slot.

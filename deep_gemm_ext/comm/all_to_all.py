@@ -56,7 +56,7 @@ def ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_
     token rows (``hidden`` elements of ``dtype``) and of their routing (``top_k`` int32 ids and
     ``top_k`` weights of ``weight_dtype``). The received rows ``x_r`` are the layer's input and live
     as long as it keeps them; each of ``combine``, ``combine_backward`` and ``dispatch_backward``
-    allocates its own send and receive rows of the same size."""
+    allocates at most as much again for the time of its call."""
     rows = world_size * max_tokens_per_rank
     row_bytes = hidden * dtype.itemsize + top_k * (4 + weight_dtype.itemsize)
     return 2 * rows * row_bytes
