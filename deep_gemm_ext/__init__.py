@@ -1,15 +1,7 @@
 """deep_gemm_ext: trainable Mega MoE layers (forward + backward) for NVIDIA GPUs."""
-from .adapters import (
-    MegaQwen3MoeSparseBlock,
-    from_hf_qwen3_moe_experts,
-    from_torchtitan_experts,
-    replace_qwen3_moe_experts,
-    restore_qwen3_moe_experts,
-    to_hf_qwen3_moe_experts,
-    to_torchtitan_experts,
-)
 from .api import mega_moe_train
 from .comm.all_to_all import EpBuffer, ep_memory_bytes
+from .integrations import MegaGroupedExperts, register_transformers
 from .module import MegaMoE
 from .reference import reference_forward
 from .routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta, compute_routing_torch
@@ -22,13 +14,8 @@ __all__ = [
     "MegaMoE",
     "EpBuffer",
     "ep_memory_bytes",
-    "MegaQwen3MoeSparseBlock",
-    "replace_qwen3_moe_experts",
-    "restore_qwen3_moe_experts",
-    "from_hf_qwen3_moe_experts",
-    "to_hf_qwen3_moe_experts",
-    "from_torchtitan_experts",
-    "to_torchtitan_experts",
+    "register_transformers",
+    "MegaGroupedExperts",
     "reference_forward",
     "RoutingMeta",
     "compute_routing_torch",

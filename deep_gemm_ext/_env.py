@@ -58,6 +58,12 @@ def jit_with_lineinfo() -> bool:
     return _flag("DGE_JIT_WITH_LINEINFO")
 
 
+def print_configs() -> bool:
+    """DGE_PRINT_CONFIGS: print the chosen SM90 GEMM config (tile, stages, grid, smem) of every launch
+    to stderr."""
+    return _flag("DGE_PRINT_CONFIGS")
+
+
 def use_jit_kernels() -> bool:
     """DGE_DISABLE_JIT: set to 1 to run the GPU path on torch ops only (no JIT kernels)."""
     return not _flag("DGE_DISABLE_JIT")
@@ -101,9 +107,27 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
-def check_ids() -> bool:
-    """DGE_CHECK_IDS: validate topk_idx range on the host (one sync) when not capturing. Default on."""
-    return os.environ.get("DGE_CHECK_IDS", "1") != "0"
+def fp8_wgrad() -> str:
+    """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
+    operands (``fp8``, default) or bf16 ones (``bf16``: unquantized operands, twice the bytes)."""
+    value = os.environ.get("DGE_FP8_WGRAD", "fp8").strip().lower()
+    if value not in ("fp8", "bf16"):
+        raise ValueError(f"DGE_FP8_WGRAD={os.environ['DGE_FP8_WGRAD']!r}: expected fp8 or bf16")
+    return value
+
+
+def check_ids() -> bool | None:
+    """DGE_CHECK_IDS: 1 checks topk_idx's range on the host (one sync per forward on a GPU), 0 never
+    does; unset (the default) checks on the host for CPU tensors only, and leaves GPU tensors to a
+    device-side assertion (no sync)."""
+    if not os.environ.get("DGE_CHECK_IDS", "").strip():
+        return None
+    return _flag("DGE_CHECK_IDS")
+
+
+def commit_label() -> str | None:
+    """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
+    return os.environ.get("DGE_COMMIT") or None
 
 
 def cuda_home() -> Path | None:

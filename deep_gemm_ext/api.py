@@ -12,17 +12,20 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
                    l1_weights: torch.Tensor, l2_weights: torch.Tensor, *, group=None,
                    recipe: str = "bf16", activation_clamp: float | None = None,
                    backend: str = "auto", ep_buffer=None) -> torch.Tensor:
-    """The MoE layer of design.md §2, differentiable w.r.t. x, topk_weights and both weights.
+    """The MoE layer (README, "The contract"; in code, ``deep_gemm_ext/reference.py``),
+    differentiable w.r.t. x, topk_weights and both weights.
 
     x [T, H]; topk_idx [T, K] int64/int32, expert ids in [-1, E) (-1 = unused slot);
     topk_weights [T, K] fp32; l1_weights [E, 2I, H] (gate rows, then up rows); l2_weights [E, H, I].
     ``activation_clamp=c`` computes ``silu(min(g, c)) * clamp(u, -c, c)``. Returns y [T, H] in x's
-    dtype. On CPU this runs the fp32 reference path; on SM90+ bf16 the GPU path.
+    dtype. On CPU this runs the reference path, in fp32 (fp64 for fp64 inputs); on SM90+ bf16 the
+    GPU path.
 
     backend: ``"auto"`` (our SM90 kernels where they apply, else the torch path), ``"torch"``
     (grouped GEMMs through ``torch._grouped_mm``), or ``"deep_gemm"`` (upstream DeepGEMM's grouped
-    GEMMs; needs deep_gemm installed). recipe: ``"bf16"``; ``"fp8"`` (1x128 activation, 128x128
-    weight scales) with ``backend="deep_gemm"``.
+    GEMMs; needs deep_gemm installed). recipe: ``"bf16"``; ``"fp8"`` (blockwise fp8: 1x128 activation
+    and 128x128 weight scales, deep_gemm_ext.recipes.fp8) on DeepGEMM's kernels, elsewhere as its
+    torch emulation.
 
     Expert parallelism: ``group`` (a ProcessGroup or a 1-D DeviceMesh of W ranks) makes rank r the
     owner of the global experts ``[r * E_loc, (r + 1) * E_loc)``: l1_weights / l2_weights hold those

@@ -3,6 +3,8 @@
 - :func:`hf_loop_moe`: Hugging Face transformers style, a Python loop over experts.
 - :func:`grouped_mm_moe`: torchtitan style, tokens sorted by expert, padded groups, two
   ``torch._grouped_mm`` calls (on SM90+ bf16; a loop over experts elsewhere), autograd backward.
+- :func:`liger_fused_moe`: Liger-Kernel's ``LigerFusedMoEFunction`` (Triton kernels and its own
+  backward) when ``liger_kernel`` is installed.
 """
 from __future__ import annotations
 
@@ -31,8 +33,14 @@ def hf_loop_moe(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_cl
     return y.to(x.dtype)
 
 
+@torch.compiler.assume_constant_result
+def _has_grouped_mm(device_index: int) -> bool:
+    """SM90 or newer; a constant to torch.compile, so the baseline compiles as one graph."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _grouped_linear(a, b_kn, ends):
-    if a.is_cuda and a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9:
+    if a.is_cuda and a.dtype == torch.bfloat16 and _has_grouped_mm(a.device.index):
         return torch._grouped_mm(a, b_kn, offs=ends)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]]).tolist()
     pieces = [a[s:t] @ b_kn[e] for e, (s, t) in enumerate(zip(starts, ends.tolist()))]
@@ -76,3 +84,35 @@ def grouped_mm_moe(x, topk_idx, topk_weights, l1_weights, l2_weights, activation
     acc = torch.promote_types(x.dtype, torch.float32)
     routed_output = (unpermuted.to(acc) * scores_sorted.reshape(-1, 1).to(acc)).to(x.dtype)
     return torch.zeros_like(x).scatter_add(0, token_sorted, routed_output)
+
+
+def liger_unavailable_reason() -> str | None:
+    """Why :func:`liger_fused_moe` cannot run here (None when it can)."""
+    if not torch.cuda.is_available():
+        return "Liger-Kernel's fused MoE is Triton code and needs a CUDA GPU"
+    try:
+        from liger_kernel.ops import LigerFusedMoEFunction  # noqa: F401
+    except Exception as exc:  # ImportError, or Triton failing to initialise
+        return f"liger_kernel is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def liger_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp=None):
+    """Our contract as ``LigerFusedMoEFunction.apply``'s arguments (liger-kernel 0.8.5):
+    ``(x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k_index [T, K] int32,
+    top_k_weights [T, K])``. Its weight layouts are ours (gate rows first, then up), so only the
+    ids change dtype; call this once, outside any timed region (the id check syncs)."""
+    if activation_clamp is not None:
+        raise ValueError(f"activation_clamp={activation_clamp!r}: Liger's fused MoE has no clamp; expected None")
+    if topk_idx.numel() and int(topk_idx.min()) < 0:
+        raise ValueError(f"topk_idx has unused slots (min id {int(topk_idx.min())}); Liger's fused MoE "
+                         f"expects every id in [0, {l1_weights.shape[0]})")
+    return (x.contiguous(), l1_weights.contiguous(), l2_weights.contiguous(),
+            topk_idx.to(torch.int32).contiguous(), topk_weights.contiguous())
+
+
+def liger_fused_moe(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp=None):
+    """Liger-Kernel's ``LigerFusedMoEFunction`` (Triton grouped GEMMs, own backward) on our contract."""
+    from liger_kernel.ops import LigerFusedMoEFunction
+    return LigerFusedMoEFunction.apply(*liger_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights,
+                                                     activation_clamp))

@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--clamp", type=float, default=None)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)  # dy too: the printed norms are the same on every run (README)
     # Qwen3-30B-A3B-like layer on a GPU, a small one on CPU.
     T, H, I, E, K = (4096, 2048, 768, 128, 8) if device == "cuda" else (256, 256, 128, 16, 4)
     T = args.tokens if args.tokens is not None else T

@@ -1,6 +1,6 @@
 """``MegaMoE``: the routed experts of an MoE layer as an ``nn.Module`` over ``mega_moe_train``.
 
-The module owns the two expert weight tensors in the layout of design.md §2 and nothing else:
+The module owns the two expert weight tensors in the layout of the contract (README) and nothing else:
 the router, the top-k choice and any shared expert stay with the caller, who passes
 ``topk_idx`` / ``topk_weights`` to :meth:`MegaMoE.forward`.
 """
@@ -32,6 +32,43 @@ def _positive_int(name: str, value) -> int:
     if value < 1:
         raise ValueError(f"{name}={value} must be at least 1")
     return int(value)
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (FSDP2 shards by expert, dim 0), else the tensor:
+    an in-place init of a slice of a DTensor does not reach its storage, one of the shard's does."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+@torch.no_grad()
+def trunc_normal_fp32_(view: torch.Tensor, std: float) -> None:
+    """``nn.init.trunc_normal_(view, std=std)`` (truncated at +-2), drawn in fp32: in bf16 it rounds
+    some uniforms to exactly +-1, whose erfinv is +-inf, clamped to +-2 (std 0.1 instead of 0.02 on CUDA)."""
+    view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
+
+
+def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                    l2: torch.Tensor, **options) -> torch.Tensor:
+    """``mega_moe_train`` over ``x [..., H]``, ``topk_idx`` / ``topk_weights [..., K]`` (weights of any
+    float dtype, computed in fp32, or fp64 for fp64 ``x``): leading dimensions are flattened and
+    restored, and under ``torch.autocast`` ``x`` and the weights are cast to the autocast dtype."""
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected topk_idx's shape "
+                         f"{tuple(topk_idx.shape)}")
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, l1, l2 = x.to(dtype), l1.to(dtype), l2.to(dtype)
+    weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    top_k = topk_idx.shape[-1]
+    flat_x = x.reshape(-1, x.shape[-1]).contiguous()
+    flat_idx = topk_idx.reshape(-1, top_k).contiguous()
+    flat_w = topk_weights.to(weight_dtype).reshape(-1, top_k).contiguous()
+    # The inputs are cast already; autocast must not re-cast the matmuls of the CPU path.
+    with torch.autocast(device_type, enabled=False):
+        y = mega_moe_train(flat_x, flat_idx, flat_w, l1, l2, **options)
+    # A 2-D input gets the op's output itself: FSDP2 warns about modules returning views.
+    return y if x.dim() == 2 else y.view(x.shape)
 
 
 class MegaMoE(nn.Module):
@@ -103,15 +140,9 @@ class MegaMoE(nn.Module):
         std 0.02, the up (``w3``) and down (``w2``) projections std ``init_std``; all truncated at
         +-2 as ``nn.init.trunc_normal_`` does by default."""
         inter = self.intermediate
-        # Under FSDP2 the parameters are DTensors sharded by expert (dim 0): an in-place init of a
-        # slice of the DTensor does not reach its storage, an init of the local shard's slice does.
-        l1 = self.l1_weights.to_local() if hasattr(self.l1_weights, "to_local") else self.l1_weights
-        l2 = self.l2_weights.to_local() if hasattr(self.l2_weights, "to_local") else self.l2_weights
-        with torch.no_grad():
-            for view, std in ((l1[:, :inter], 0.02), (l1[:, inter:], init_std), (l2, init_std)):
-                # Drawn in fp32: trunc_normal_ in bf16 rounds some uniforms to exactly +-1, whose
-                # erfinv is +-inf, clamped to the +-2 bounds (std 0.1 instead of 0.02 on CUDA).
-                view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
+        l1, l2 = local_tensor(self.l1_weights), local_tensor(self.l2_weights)
+        for view, std in ((l1[:, :inter], 0.02), (l1[:, inter:], init_std), (l2, init_std)):
+            trunc_normal_fp32_(view, std)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if topk_idx.dim() < 1 or topk_idx.shape[-1] != self.top_k:
@@ -119,23 +150,9 @@ class MegaMoE(nn.Module):
                              f"top_k={self.top_k}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected its last dim to be hidden={self.hidden}")
-        l1, l2 = self.l1_weights, self.l2_weights
-        device_type = x.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        if autocast:
-            dtype = torch.get_autocast_dtype(device_type)
-            x, l1, l2 = x.to(dtype), l1.to(dtype), l2.to(dtype)
-        weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        flat_x = x.reshape(-1, self.hidden).contiguous()
-        flat_idx = topk_idx.reshape(-1, self.top_k).contiguous()
-        flat_w = topk_weights.to(weight_dtype).reshape(-1, self.top_k).contiguous()
-        # The inputs are cast already; autocast must not re-cast the matmuls of the CPU path.
-        with torch.autocast(device_type, enabled=False):
-            y = mega_moe_train(flat_x, flat_idx, flat_w, l1, l2, group=self.group, recipe=self.recipe,
-                               activation_clamp=self.activation_clamp, backend=self.backend,
+        return experts_forward(x, topk_idx, topk_weights, self.l1_weights, self.l2_weights, group=self.group,
+                               recipe=self.recipe, activation_clamp=self.activation_clamp, backend=self.backend,
                                ep_buffer=self.ep_buffer)
-        # A 2-D input gets the op's output itself: FSDP2 warns about modules returning views.
-        return y if x.dim() == 2 else y.view(x.shape)
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from . import comm
 from .providers import PROVIDERS, GemmProvider, ScatterSlots, SwigluBackward, SwigluForward
 from .recipes import RECIPES as _RECIPE_OBJECTS
 from .recipes import Recipe
+from .recipes.fp8 import FP8_BLOCK
 
 try:
     from . import jit_kernels as _jit_kernels
@@ -31,11 +33,11 @@ except ImportError:  # no cuda-python: the JIT kernels are never used
     _jit_kernels = None
 
 #: Precision recipes of the public API.
-RECIPES = ("bf16",)
+RECIPES = ("bf16", "fp8")
 BACKENDS = ("auto", "torch", "deep_gemm")
 DEFAULT_BACKEND = "auto"
 #: Recipes each backend runs; fp8 (1x128 activation / 128x128 weight scales) is upstream's today.
-BACKEND_RECIPES = {"auto": RECIPES, "torch": RECIPES, "deep_gemm": ("bf16", "fp8")}
+BACKEND_RECIPES = {"auto": RECIPES, "torch": RECIPES, "deep_gemm": RECIPES}
 #: Row alignment torch._grouped_mm needs on SM90 (16-byte strides and TMA boxes of bf16 rows).
 _GPU_DIM_MULTIPLE = 8
 #: torch._grouped_mm refuses more groups than this.
@@ -62,7 +64,8 @@ class Plan:
     gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x)
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
-    check_ids         check topk_idx on the host (one sync) when not capturing a CUDA graph
+    check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
+                      device-side assertion)
     """
 
     provider: str
@@ -77,6 +80,7 @@ class Plan:
     combine_epilogue: bool = False
     swiglu_epilogues: bool = False
     check_ids: bool = True
+    fp8_wgrad: str = "fp8"
 
     # -- the parts ------------------------------------------------------------------------------
 
@@ -86,7 +90,7 @@ class Plan:
 
     @property
     def precision(self) -> Recipe:
-        return _RECIPE_OBJECTS[self.recipe]
+        return _precision(self.recipe, self.fp8_wgrad)
 
     @property
     def tokens(self):
@@ -152,6 +156,12 @@ def _decode(text: str) -> Plan:
     return Plan(**kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _precision(recipe: str, fp8_wgrad: str) -> Recipe:
+    base = _RECIPE_OBJECTS[recipe]
+    return dataclasses.replace(base, wgrad=fp8_wgrad) if base.fp8 else base
+
+
 # ---------------------------------------------------------------------------------------------
 # What the device and the environment offer.
 
@@ -193,14 +203,16 @@ def shape_facts(hidden: int, intermediate: int, num_experts: int) -> ShapeFacts:
     )
 
 
-def choose_provider(device: torch.device, dtype: torch.dtype, facts: ShapeFacts, backend: str) -> str:
-    """Who runs the grouped GEMMs for these inputs under ``backend``."""
+def choose_provider(device: torch.device, dtype: torch.dtype, facts: ShapeFacts, backend: str, recipe: str) -> str:
+    """Who runs the grouped GEMMs for these inputs under ``backend`` and ``recipe`` (the torch
+    providers run fp8 as its emulation)."""
     if not (device.type == "cuda" and dtype == torch.bfloat16):
         return "loop"
     if backend == "deep_gemm":
         return "deep_gemm"
     major, minor = torch.cuda.get_device_capability(device)
-    if backend == "auto" and (major, minor) == (9, 0) and facts.sm90_gemm and jit_available(device):
+    if (backend == "auto" and (major, minor) == (9, 0) and facts.sm90_gemm and jit_available(device)
+            and recipe in PROVIDERS["sm90"].recipes):
         return "sm90"
     return "grouped_mm" if major >= 9 and facts.grouped_mm_groups else "loop"
 
@@ -241,9 +253,9 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
                      grouped_mm_groups: bool, backend: str, recipe: str, exchange: str) -> str:
     device = torch.device(device_type) if device_index < 0 else torch.device(device_type, device_index)
     facts = ShapeFacts(sm90_gemm, swiglu_epilogue, grouped_mm_groups)
-    provider = choose_provider(device, dtype, facts, backend)
+    provider = choose_provider(device, dtype, facts, backend, recipe)
     gemms = PROVIDERS[provider]
-    precision = _RECIPE_OBJECTS[recipe]
+    precision = _precision(recipe, _env.fp8_wgrad())
     compute = {torch.float64: "float64", torch.bfloat16: "bfloat16"}.get(gemms.compute_dtype(dtype), "float32")
     jit = jit_available(device)
     gather_mode = _env.fused_gather()
@@ -252,7 +264,7 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         provider=provider,
         recipe=recipe,
         exchange=exchange,
-        align=gemms.row_alignment,
+        align=math.lcm(gemms.row_alignment, precision.row_alignment),
         compute_dtype=compute,
         jit_routing=jit,
         jit_elementwise=jit and compute == "bfloat16",
@@ -261,7 +273,9 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         combine_epilogue=gemms.supports(precision, ScatterSlots, facts) and _env.fused_combine(),
         swiglu_epilogues=(_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
                           and gemms.supports(precision, SwigluBackward, facts)),
-        check_ids=_env.check_ids(),
+        # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
+        check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
+        fp8_wgrad=precision.wgrad,
     )
     return plan.encode()
 
@@ -277,6 +291,12 @@ def unsupported_shape_reason(hidden: int, intermediate: int, recipe: str = "bf16
         return f"recipe={recipe!r} is not supported; expected one of {RECIPES}"
     if hidden <= 0 or intermediate <= 0:
         return f"hidden={hidden} and intermediate={intermediate} must be positive"
+    if recipe == "fp8":
+        # The weights are quantized in 128x128 blocks over H, I and 2I.
+        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+            if value % FP8_BLOCK:
+                return (f"{name}={value} is not a multiple of {FP8_BLOCK}, which recipe='fp8' needs for its "
+                        f"128x128 weight blocks")
     if device_type == "cuda":
         for name, value in (("hidden", hidden), ("intermediate", intermediate)):
             if value % _GPU_DIM_MULTIPLE:
@@ -298,7 +318,7 @@ def shape_reason_for_backend(backend: str, recipe: str, device: torch.device, hi
                              intermediate: int) -> str | None:
     """:func:`unsupported_shape_reason`, then what the chosen backend itself needs (DeepGEMM must be
     importable and the GPU an SM90 / SM100 one); raises DeepGEMM's install hint when it is missing."""
-    reason = unsupported_shape_reason(hidden, intermediate, "bf16", device.type)
+    reason = unsupported_shape_reason(hidden, intermediate, recipe, device.type)
     if reason is None and backend == "deep_gemm":
         deepgemm = PROVIDERS["deep_gemm"]
         if device.type != "cuda":

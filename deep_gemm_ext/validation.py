@@ -112,6 +112,11 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     if l1_hidden != hidden:
         raise ValueError(f"l1_weights.shape[2]={l1_hidden} must equal x's hidden size {hidden}")
     expected_l2 = (num_experts, hidden, intermediate)
+    if tuple(l2_weights.shape) == (num_experts, hidden, two_i):
+        # l2_weights fits an l1_weights of [E, I, H]: l1 holds the gate (or up) rows only.
+        raise ValueError(f"l1_weights has shape {tuple(l1_weights.shape)}; expected "
+                         f"{(num_experts, 2 * two_i, hidden)} ([num_experts, 2 * intermediate, hidden], gate rows "
+                         f"then up rows, with intermediate={two_i} from l2_weights)")
     if tuple(l2_weights.shape) != expected_l2:
         raise ValueError(f"l2_weights has shape {tuple(l2_weights.shape)}; expected {expected_l2} "
                          f"([num_experts, hidden, intermediate] from x and l1_weights)")

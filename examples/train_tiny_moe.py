@@ -22,8 +22,8 @@ disagree:
     python examples/train_tiny_moe.py --tiny --steps 3     # CPU smoke run
 
 The runs step in turn (one step of each, then the next), so all see the same GPU state.
-Routers produce valid expert ids, so ``DGE_CHECK_IDS=0`` (skip the id range check and its host
-sync) is safe here; with the default, ``MegaMoE`` pays one host sync per layer per step.
+On the GPU the expert-id range check is a device-side assertion (no host sync per layer);
+``DGE_CHECK_IDS=1`` would add the host check and its sync.
 """
 from __future__ import annotations
 

@@ -2,10 +2,18 @@
 """MoE layer benchmark: forward and forward+backward medians from CUDA events.
 
 Every implementation runs on the same fresh random inputs in the same process; ratios are against
-the torchtitan-style grouped_mm baseline measured in this run. TFLOP/s counts 6·T·K·H·I per forward
-and three times that for forward+backward. Writes a markdown table (stdout), JSON records and a PNG.
+the torchtitan-style grouped_mm baseline measured in this run, eager and under
+torch.compile(fullgraph=True, dynamic=False). Liger-Kernel's LigerFusedMoEFunction is a row when
+liger_kernel is importable. Before its first timing every row is checked against the fp64 reference
+on a small shape (y and the four gradients within 2e-2, 1e-1 for fp8); a row that fails the check, cannot compile or
+cannot run is printed as "not measured" with the reason. The first calls of each row (JIT kernels,
+torch.compile, Triton autotuning) run outside the timed repeats.
+
+TFLOP/s counts 6·T·K·H·I per forward and three times that for forward+backward. Writes JSON records
+and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 
     python scripts/bench.py --json benchmarks/results/h200.json --png benchmarks/results/h200.png
+    python scripts/bench.py --dry-run      # tiny shape, also on a CPU: checks the script end to end
 """
 from __future__ import annotations
 
@@ -14,17 +22,22 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deep_gemm_ext as dge  # noqa: E402
-from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, make_inputs, median_ms  # noqa: E402
+from deep_gemm_ext import _env  # noqa: E402
+from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe, liger_inputs, liger_unavailable_reason  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, Workload, make_inputs, median_ms, rel_err  # noqa: E402
 
 
 def _ours(backend="auto", recipe="bf16"):
@@ -48,48 +61,156 @@ def _environ(env):
                 os.environ[k] = v
 
 
-def implementations(with_loop: bool, all_variants: bool = False):
-    """(impl, backend, recipe) -> callable; impl "ours" is this package."""
+def _variant_env(backend: str) -> dict[str, str]:
+    """The DGE_* knobs a row's backend name selects (the defaults for every other row)."""
+    return {"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
+            "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
+                                 "tma" if "gather-tma" in backend else "cp_async"),
+            "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0",
+            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}
+
+
+BASE = ("grouped_mm", "torch", "bf16")
+COMPILED = ("grouped_mm", "torch.compile", "bf16")
+LIGER = ("liger", "triton", "bf16")
+
+
+@dataclass
+class Impl:
+    fn: Callable
+    #: inputs -> the arguments ``fn`` takes, run once per workload outside the timed region
+    prepare: Callable = lambda *inputs: inputs  # noqa: E731
+    #: printed with the table (e.g. how torch.compile ended up compiling it)
+    notes: list = field(default_factory=list)
+
+
+def _compile_setup() -> None:
+    """Every shape and grad mode is a separate dynamo cache entry (dynamic=False): give room for all
+    of them, and make hitting the limit an error rather than a silent fall back to eager."""
+    for name, value in (("recompile_limit", 64), ("cache_size_limit", 64), ("fail_on_recompile_limit_hit", True)):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, value)
+
+
+def compiled_grouped_mm() -> Impl:
+    """grouped_mm_moe under torch.compile(fullgraph=True, dynamic=False); where dynamo cannot take the
+    forward in one graph, the same with graph breaks, and a note saying why."""
+    _compile_setup()
+    impl = Impl(None)
+    compiled = {"fn": torch.compile(grouped_mm_moe, fullgraph=True, dynamic=False), "fullgraph": True}
+
+    def run(*args):
+        try:
+            return compiled["fn"](*args)
+        except Exception as exc:
+            if not compiled["fullgraph"]:
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            impl.notes.append(f"torch.compile(fullgraph=True) failed ({type(exc).__name__}: {first}); "
+                              f"timed torch.compile(dynamic=False) with graph breaks")
+            compiled.update(fn=torch.compile(grouped_mm_moe, dynamic=False), fullgraph=False)
+            return compiled["fn"](*args)
+
+    impl.fn = run
+    return impl
+
+
+def implementations(with_loop: bool, all_variants: bool = False, compiled: bool = True,
+                    skips: dict | None = None) -> dict:
+    """(impl, backend, recipe) -> Impl; impl "ours" is this package. Baselines that cannot run here
+    get an entry in ``skips`` (key -> reason) instead."""
+    skips = {} if skips is None else skips
     impls = {}
     if with_loop:
-        impls[("loop", "torch", "bf16")] = lambda x, idx, w, l1, l2: hf_loop_moe(x, idx, w, l1, l2)
-    impls[("grouped_mm", "torch", "bf16")] = lambda x, idx, w, l1, l2: grouped_mm_moe(x, idx, w, l1, l2)
-    impls[("ours", "auto", "bf16")] = _ours()
+        impls[("loop", "torch", "bf16")] = Impl(hf_loop_moe)
+    impls[BASE] = Impl(grouped_mm_moe)
+    if compiled:
+        impls[COMPILED] = compiled_grouped_mm()
+    reason = liger_unavailable_reason()
+    if reason is None:
+        from liger_kernel.ops import LigerFusedMoEFunction
+        impls[LIGER] = Impl(LigerFusedMoEFunction.apply, prepare=liger_inputs)
+    else:
+        skips[LIGER] = reason
+    impls[("ours", "auto", "bf16")] = Impl(_ours())
     # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
-    impls[("ours", "auto+fused-swiglu", "bf16")] = _ours()
+    impls[("ours", "auto+fused-swiglu", "bf16")] = Impl(_ours())
     # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself,
     # and gathering x with 1-row TMA boxes rather than cp.async.
-    impls[("ours", "auto+pool-gather", "bf16")] = _ours()
+    impls[("ours", "auto+pool-gather", "bf16")] = Impl(_ours())
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
-    impls[("ours", "auto+pool-combine", "bf16")] = _ours()
+    impls[("ours", "auto+pool-combine", "bf16")] = Impl(_ours())
     if all_variants:
-        impls[("ours", "auto+gather-tma", "bf16")] = _ours()
+        impls[("ours", "auto+gather-tma", "bf16")] = Impl(_ours())
         # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
-        impls[("ours", "auto+gather-backward", "bf16")] = _ours()
-    impls[("ours", "torch", "bf16")] = _ours("torch")
+        impls[("ours", "auto+gather-backward", "bf16")] = Impl(_ours())
+    impls[("ours", "torch", "bf16")] = Impl(_ours("torch"))
     try:
         from deep_gemm_ext import plan
         from deep_gemm_ext.providers import deepgemm
         if deepgemm.is_available():
             for recipe in plan.BACKEND_RECIPES["deep_gemm"]:
-                impls[("ours", "deep_gemm", recipe)] = _ours("deep_gemm", recipe)
+                impls[("ours", "deep_gemm", recipe)] = Impl(_ours("deep_gemm", recipe))
     except ImportError:
         pass
     return impls
 
 
-def bench_one(fn, inputs, reps):
+#: The shape every implementation is checked on against the fp64 reference before it is timed.
+CHECK = Workload("check", 512, 256, 128, 16, 4)
+#: What --dry-run times: small enough for a CPU, multiples of 128 so a GPU takes its fast paths.
+DRY_RUN = Workload("dry-run", 64, 128, 128, 4, 2)
+#: Largest relative error against the fp64 reference per recipe: design.md §6's bf16 tolerance, and
+#: for fp8 operands the bound tests/test_backend_deepgemm.py holds the deep_gemm backend to.
+CHECK_MAX_REL_ERR = {"bf16": 2e-2, "fp8": 1e-1}
+OUTPUTS = ("y", "dx", "dtopk_w", "dl1", "dl2")
+
+
+def check_errors(impl: Impl, device: str, wl: Workload = CHECK) -> dict[str, float]:
+    """Relative error of y and the four gradients against the fp64 reference on ``wl``'s shape."""
+    x, idx, w, l1, l2 = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
+                                    device=device, seed=99)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(100)).to(device, x.dtype)
+    y = impl.fn(*impl.prepare(x, idx, w, l1, l2))
+    grads = torch.autograd.grad(y, (x, w, l1, l2), dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, l1, l2)]
+    y_ref = dge.reference_forward(leaves[0], idx, *leaves[1:])
+    refs = (y_ref, *torch.autograd.grad(y_ref, leaves, dy.double()))
+    return {name: rel_err(out, ref) for name, out, ref in zip(OUTPUTS, (y, *grads), refs)}
+
+
+def _cpu_median_ms(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def bench_one(impl: Impl, inputs, reps, device="cuda"):
+    """(forward ms, forward+backward ms, peak GiB, saved GiB); memory is None off the GPU."""
     x, idx, w, l1, l2 = inputs
+    args = impl.prepare(*inputs)
     dy = torch.randn_like(x)
-    with torch.no_grad():
-        fwd = median_ms(lambda: fn(x, idx, w, l1, l2), reps)
+    timer = median_ms if device == "cuda" else _cpu_median_ms
 
     def fwd_bwd():
-        y = fn(x, idx, w, l1, l2)
+        y = impl.fn(*args)
         torch.autograd.grad(y, (x, w, l1, l2), dy)
 
-    fwdbwd = median_ms(fwd_bwd, reps)
+    # Outside the timed repeats: the first calls compile (JIT kernels, torch.compile, Triton autotune).
+    with torch.no_grad():
+        impl.fn(*args)
+    fwd_bwd()
+    with torch.no_grad():
+        fwd = timer(lambda: impl.fn(*args), reps)
+    fwdbwd = timer(fwd_bwd, reps)
+    if device != "cuda":
+        return fwd, fwdbwd, None, None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -99,7 +220,7 @@ def bench_one(fn, inputs, reps):
     # What the layer keeps between forward and backward (y and its saved tensors): per layer, this
     # is what a training step holds until the backward reaches it.
     before = torch.cuda.memory_allocated()
-    y = fn(x, idx, w, l1, l2)
+    y = impl.fn(*args)
     torch.cuda.synchronize()
     saved = (torch.cuda.memory_allocated() - before) / 2**30
     del y
@@ -108,8 +229,8 @@ def bench_one(fn, inputs, reps):
 
 def git_commit() -> str:
     """DGE_COMMIT when set (a copy of the tree without its git history), else git's HEAD."""
-    if os.environ.get("DGE_COMMIT"):
-        return os.environ["DGE_COMMIT"]
+    if _env.commit_label():
+        return _env.commit_label()
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                                        text=True, stderr=subprocess.DEVNULL).strip()
@@ -117,7 +238,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def label(r) -> str:
+    return "grouped_mm" if (r["impl"], r["backend"]) == BASE[:2] else f"{r['impl']} ({r['backend']}, {r['recipe']})"
+
+
 def draw_png(records, path):
+    records = [r for r in records if "skipped" not in r]
+    if not records:
+        print(f"no measured rows: no chart written to {path}")
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -126,7 +255,6 @@ def draw_png(records, path):
         print(f"matplotlib not found: no chart written to {path}")
         return
     workloads = list(dict.fromkeys(r["workload"] for r in records))
-    label = lambda r: f"{r['impl']} ({r['backend']}, {r['recipe']})" if r["impl"] != "grouped_mm" else r["impl"]  # noqa: E731
     impls = list(dict.fromkeys(label(r) for r in records))
     fig, ax = plt.subplots(figsize=(2 + 2.2 * len(workloads), 4))
     width = 0.8 / max(1, len(impls))
@@ -146,65 +274,118 @@ def draw_png(records, path):
     fig.savefig(path, dpi=120)
 
 
-def main():
+def _ratio(base, r) -> float | None:
+    return round(base["fwdbwd_ms"] / r["fwdbwd_ms"], 3) if base else None
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_table(records) -> None:
+    print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm "
+          "| x compiled grouped_mm | peak GiB | saved GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if "skipped" in r:
+            continue
+        print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} "
+              f"| {r['fwdbwd_ms']:.3f} | {r['tflops']:.0f} | {_fmt(r['ratio_vs_grouped_mm'], '.2f', 'x')} "
+              f"| {_fmt(r['ratio_vs_compiled_grouped_mm'], '.2f', 'x')} | {_fmt(r['peak_gib'], '.2f')} "
+              f"| {_fmt(r['saved_gib'], '.2f')} |")
+
+
+def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: str, meta: dict,
+                 check: Workload = CHECK) -> list:
+    """Records of every implementation on ``wl`` (a ``skipped`` record with the reason where one
+    could not be checked or timed), ratios against this run's two grouped_mm rows."""
+    inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
+                         device=device, seed=1234)
+    torch._dynamo.reset()  # a fresh cache per workload: the dynamo cache limit counts shapes
+    rows = {}
+    for key, impl in impls.items():
+        impl_name, backend, recipe = key
+        record = dict(workload=wl.name, impl=impl_name, backend=backend, recipe=recipe, **meta)
+        try:
+            with _environ(_variant_env(backend)):
+                if key not in checked:  # once per implementation, before its first timing
+                    checked[key] = check_errors(impl, device, check)
+                errors = checked[key]
+                worst = max(errors.values())
+                bound = CHECK_MAX_REL_ERR.get(recipe, CHECK_MAX_REL_ERR["bf16"])
+                if not worst < bound:  # NaN fails too
+                    raise RuntimeError("disagrees with the fp64 reference on the check shape: " + ", ".join(
+                        f"{k} {v:.2e}" for k, v in errors.items()) + f" (expected < {bound})")
+                fwd, fwdbwd, peak, saved = bench_one(impl, inputs, reps, device)
+        except Exception as exc:  # reported in the output and the records, never dropped silently
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            rows[key] = dict(record, skipped="; ".join([*impl.notes, f"{type(exc).__name__}: {first}"]))
+            print(f"{wl.name}: {label(record)} skipped: {rows[key]['skipped']}", flush=True)
+            continue
+        rows[key] = dict(record, fwd_ms=round(fwd, 4), fwdbwd_ms=round(fwdbwd, 4),
+                         tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
+                         peak_gib=None if peak is None else round(peak, 3),
+                         saved_gib=None if saved is None else round(saved, 3),
+                         check_max_rel_err=float(f"{worst:.3e}"), notes=list(impl.notes))
+    measured = {k: r for k, r in rows.items() if "skipped" not in r}
+    for r in measured.values():
+        r["ratio_vs_grouped_mm"] = _ratio(measured.get(BASE), r)
+        r["ratio_vs_compiled_grouped_mm"] = _ratio(measured.get(COMPILED), r)
+        print(f"{wl.name}: {label(r)} {r['fwdbwd_ms']:.3f} ms {_fmt(r['ratio_vs_grouped_mm'], '.2f', 'x')} "
+              f"(check max rel err {r['check_max_rel_err']:.1e})", flush=True)
+    return list(rows.values())
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--loop", action="store_true", help="also time the HF-style loop (slow)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--all-variants", action="store_true",
                    help="also time the variants measured slower before (1-row TMA gather, gathering backward)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd grouped_mm row")
+    p.add_argument("--dry-run", action="store_true",
+                   help=f"only the tiny {DRY_RUN.name!r} shape, 2 repeats, on the CPU when there is no GPU: "
+                        f"checks the script end to end")
     p.add_argument("--json", default=None, help="write records here")
     p.add_argument("--png", default=None, help="draw a bar chart here")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="redraw --png from saved records, no GPU")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.plot_only:
         draw_png(json.loads(Path(args.plot_only).read_text()), args.png)
         return
-    if not torch.cuda.is_available():
-        sys.exit("bench.py needs a CUDA GPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cuda" and not args.dry_run:
+        sys.exit("bench.py needs a CUDA GPU (or --dry-run)")
+    workloads = [DRY_RUN] if args.dry_run else [WORKLOADS[name] for name in args.workloads]
+    reps = 2 if args.dry_run else args.reps
 
-    gpu = torch.cuda.get_device_name()
-    commit, date = git_commit(), datetime.date.today().isoformat()
-    impls = implementations(args.loop, args.all_variants)
-    records = []
-    for wl_name in args.workloads:
-        wl = WORKLOADS[wl_name]
-        inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
-                             device="cuda", seed=1234)
-        rows = {}
-        for (impl, backend, recipe), fn in impls.items():
-            with _environ({"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
-                           "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
-                                                "tma" if "gather-tma" in backend else "cp_async"),
-                           "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0",
-                           "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}):
-                fwd, fwdbwd, peak, saved = bench_one(fn, inputs, args.reps)
-            rows[(impl, backend, recipe)] = dict(workload=wl_name, impl=impl, backend=backend,
-                              recipe=recipe, fwd_ms=round(fwd, 4),
-                              fwdbwd_ms=round(fwdbwd, 4),
-                              tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
-                              peak_gib=round(peak, 3), saved_gib=round(saved, 3), gpu=gpu, commit=commit,
-                              date=date)
-        base = rows[("grouped_mm", "torch", "bf16")]["fwdbwd_ms"]
-        for r in rows.values():
-            r["ratio_vs_grouped_mm"] = round(base / r["fwdbwd_ms"], 3)
-            records.append(r)
-            print(f"{wl_name}: {r['impl']} ({r['backend']}, {r['recipe']}) {r['fwdbwd_ms']:.3f} ms "
-                  f"{r['ratio_vs_grouped_mm']:.2f}x", flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", commit=git_commit(),
+                date=datetime.date.today().isoformat())
+    skips = {}
+    impls = implementations(args.loop, args.all_variants, compiled=not args.no_compile, skips=skips)
+    for key, reason in skips.items():
+        print(f"{label(dict(impl=key[0], backend=key[1], recipe=key[2]))} skipped: {reason}", flush=True)
+    records, checked = [], {}
+    for wl in workloads:
+        records += run_workload(wl, impls, checked, reps, device, meta, DRY_RUN if args.dry_run else CHECK)
         if args.json:  # after every workload, so a cut-short run keeps what it measured
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-        del inputs
-        torch.cuda.empty_cache()
-
-    print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm | peak GiB "
-          "| saved GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in records:
-        print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
-              f"{r['tflops']:.0f} | {r['ratio_vs_grouped_mm']:.2f}x | {r['peak_gib']:.2f} | {r['saved_gib']:.2f} |")
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if args.png:
         draw_png(records, args.png)
+
+    print()
+    for key, reason in skips.items():
+        print(f"- not measured: {label(dict(impl=key[0], backend=key[1], recipe=key[2]))}: {reason}")
+    for r in records:
+        if "skipped" in r:
+            print(f"- not measured: {r['workload']} {label(r)}: {r['skipped']}")
+    for note in dict.fromkeys(n for r in records for n in r.get("notes", [])):
+        print(f"- note: {note}")
+    print_table(records)
 
 
 if __name__ == "__main__":

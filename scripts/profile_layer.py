@@ -1,32 +1,122 @@
 #!/usr/bin/env python3
-"""Where the time goes: CUDA kernel time per step of one forward+backward (torch.profiler).
+"""Where the time of the layer goes: its CUDA kernels and the gaps between them, and what the
+``DGE_CHECK_IDS`` host sync costs a 48-layer training step.
 
-    python scripts/profile_layer.py --impl ours --workload qwen3-30b-a3b-t16384
+``kernels``: one forward+backward under torch.profiler. Per kernel name: launches and device time;
+then the whole step: kernels, their total time, the idle time between consecutive kernels (and
+memcpy / memset) on each stream, and the largest gaps with the kernels around them.
+
+``sync``: forward+backward of a stack of MegaMoE layers (Qwen3-30B-A3B's layer shapes, 48 layers,
+4096 tokens), each with a tiny router (linear, softmax, top-k), under DGE_CHECK_IDS=1 and =0 in
+alternating rounds; CUDA-event medians of the step and the difference per step and per layer. The
+layers share one set of expert weights by default (48 distinct Qwen3-30B expert sets and their
+gradients need about 116 GB): the kernels and host syncs per layer are the same either way.
+
+    python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384
+    python scripts/profile_layer.py sync
+    python scripts/profile_layer.py sync --dry-run      # 2 tiny layers, also on a CPU
+
+Each ends with a short markdown table.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import sys
+import tempfile
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deep_gemm_ext as dge  # noqa: E402
+from deep_gemm_ext import _env  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe  # noqa: E402
 from deep_gemm_ext.testing import WORKLOADS, make_inputs  # noqa: E402
 
 IMPLS = {"ours": dge.mega_moe_train, "grouped_mm": grouped_mm_moe}
+#: Chrome-trace categories of device activity that occupies a stream.
+DEVICE_CATEGORIES = {"kernel": "", "gpu_memcpy": "[memcpy] ", "gpu_memset": "[memset] "}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=list(IMPLS), default="ours")
-    p.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t16384")
-    p.add_argument("--rows", type=int, default=15)
-    args = p.parse_args()
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+def device_activities(trace: dict) -> list[dict]:
+    """(name, stream, start us, duration us) of every kernel, memcpy and memset in a chrome trace."""
+    acts = []
+    for ev in trace.get("traceEvents", []):
+        prefix = DEVICE_CATEGORIES.get(str(ev.get("cat", "")).lower())
+        if prefix is None or ev.get("ph") != "X":
+            continue
+        acts.append(dict(name=prefix + ev["name"], stream=ev.get("args", {}).get("stream", ev.get("tid")),
+                         ts=float(ev["ts"]), dur=float(ev.get("dur", 0.0))))
+    return acts
+
+
+def summarize(acts: list[dict], top_gaps: int = 5) -> dict:
+    """Per-name counts and times, and per stream the idle gaps between consecutive activities
+    (overlapping ones count no gap)."""
+    per_name = defaultdict(lambda: [0, 0.0])
+    for a in acts:
+        per_name[a["name"]][0] += 1
+        per_name[a["name"]][1] += a["dur"]
+    gaps = []
+    by_stream = defaultdict(list)
+    for a in acts:
+        by_stream[a["stream"]].append(a)
+    for stream_acts in by_stream.values():
+        stream_acts.sort(key=lambda a: a["ts"])
+        busy_until, last = None, None
+        for a in stream_acts:
+            if busy_until is not None and a["ts"] > busy_until:
+                gaps.append((a["ts"] - busy_until, last["name"], a["name"]))
+            if busy_until is None or a["ts"] + a["dur"] > busy_until:
+                busy_until, last = a["ts"] + a["dur"], a
+    span = (max(a["ts"] + a["dur"] for a in acts) - min(a["ts"] for a in acts)) if acts else 0.0
+    kernels = [a for a in acts if not a["name"].startswith("[")]
+    return dict(
+        per_name=sorted(((n, c, t) for n, (c, t) in per_name.items()), key=lambda r: -r[2]),
+        kernels=len(kernels), kernel_us=sum(a["dur"] for a in kernels),
+        activities=len(acts), busy_us=sum(a["dur"] for a in acts),
+        gaps=len(gaps), gap_us=sum(g[0] for g in gaps), span_us=span, streams=len(by_stream),
+        largest_gaps=sorted(gaps, reverse=True)[:top_gaps])
+
+
+def _short(name: str, width: int = 90) -> str:
+    name = name.replace("|", "/")
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def print_kernel_report(title: str, s: dict, rows: int) -> None:
+    print(f"\n{title}")
+    print("\n| kernel | launches | total us | mean us |\n|---|---|---|---|")
+    for name, count, total in s["per_name"][:rows]:
+        print(f"| {_short(name)} | {count} | {total:.1f} | {total / count:.1f} |")
+    if len(s["per_name"]) > rows:
+        rest = s["per_name"][rows:]
+        print(f"| ({len(rest)} more names) | {sum(r[1] for r in rest)} | {sum(r[2] for r in rest):.1f} | |")
+    print("\n| largest gap us | after | before |\n|---|---|---|")
+    for gap, before, after in s["largest_gaps"]:
+        print(f"| {gap:.1f} | {_short(before, 60)} | {_short(after, 60)} |")
+    print("\n| kernels | kernel us | memcpy/memset | gaps | gap us | span us | streams |\n|---|---|---|---|---|---|---|")
+    print(f"| {s['kernels']} | {s['kernel_us']:.1f} | {s['activities'] - s['kernels']} | {s['gaps']} "
+          f"| {s['gap_us']:.1f} | {s['span_us']:.1f} | {s['streams']} |")
+
+
+def cmd_kernels(args) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        print("profile_layer.py kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
     wl = WORKLOADS[args.workload]
     x, idx, w, l1, l2 = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
                                     device="cuda", seed=7)
@@ -37,15 +127,138 @@ def main():
         y = fn(x, idx, w, l1, l2)
         torch.autograd.grad(y, (x, w, l1, l2), dy)
 
-    for _ in range(3):
+    for _ in range(3):  # JIT builds and allocator warm-up stay out of the profile
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU op tracing: it would widen the gaps
         step()
         torch.cuda.synchronize()
-    print(f"{args.impl} on {args.workload}: CUDA time per kernel, one forward+backward")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+        if args.trace:
+            Path(args.trace).write_text(path.read_text())
+    s = summarize(device_activities(trace))
+    print_kernel_report(f"{args.impl} on {args.workload} (DGE_CHECK_IDS={int(_env.check_ids())}): "
+                        f"one forward+backward", s, args.rows)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# sync
+
+
+class RoutedStack(nn.Module):
+    """``layers`` residual MoE layers, each routed by its own tiny linear router (softmax, top-k,
+    renormalised weights) and computed by a MegaMoE (one shared, or one per layer)."""
+
+    def __init__(self, layers, hidden, inter, experts, top_k, distinct, device, dtype):
+        super().__init__()
+        self.top_k = top_k
+        self.routers = nn.ModuleList(nn.Linear(hidden, experts, bias=False, device=device, dtype=dtype)
+                                     for _ in range(layers))
+        count = layers if distinct else 1
+        self.experts = nn.ModuleList(dge.MegaMoE(experts, hidden, inter, top_k, device=device, dtype=dtype)
+                                     for _ in range(count))
+        for m in self.experts:
+            m.reset_parameters(init_std=0.02 / layers ** 0.5)
+
+    def forward(self, x):
+        for i, router in enumerate(self.routers):
+            probs = router(x).float().softmax(-1)
+            weights, idx = probs.topk(self.top_k, dim=-1)
+            x = x + self.experts[i % len(self.experts)](x, idx, weights / weights.sum(-1, keepdim=True))
+        return x
+
+
+def cmd_sync(args) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.dry_run:
+        print("profile_layer.py sync needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        args.layers, args.tokens, args.hidden, args.intermediate, args.experts, args.top_k = 2, 32, 64, 32, 8, 2
+        args.rounds, args.steps = 1, 2
+    torch.manual_seed(0)
+    model = RoutedStack(args.layers, args.hidden, args.intermediate, args.experts, args.top_k,
+                        args.distinct_weights, device, torch.bfloat16)
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=torch.bfloat16)
+
+    def step():
+        loss = model(x).float().square().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def timed() -> float:
+        if device == "cpu":
+            start = time.perf_counter()
+            step()
+            return 1e3 * (time.perf_counter() - start)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    saved = os.environ.get("DGE_CHECK_IDS")
+    times = {"1": [], "0": []}
+    try:
+        for _ in range(args.warmup):
+            step()
+        for r in range(args.rounds):  # alternating blocks of steps, so drift hits both settings alike
+            for value in (("1", "0") if r % 2 == 0 else ("0", "1")):
+                os.environ["DGE_CHECK_IDS"] = value
+                step()  # the first step after a switch is not timed
+                times[value] += [timed() for _ in range(args.steps)]
+    finally:
+        if saved is None:
+            os.environ.pop("DGE_CHECK_IDS", None)
+        else:
+            os.environ["DGE_CHECK_IDS"] = saved
+    med = {k: statistics.median(v) for k, v in times.items()}
+    diff = med["1"] - med["0"]
+    print(f"\n{args.layers} MegaMoE layers ({'distinct' if args.distinct_weights else 'shared'} expert weights), "
+          f"T={args.tokens} H={args.hidden} I={args.intermediate} E={args.experts} K={args.top_k}, bf16, "
+          f"forward+backward on {device}; {len(times['1'])} steps per setting "
+          f"({'CUDA events' if device == 'cuda' else 'wall clock'})\n")
+    print("| DGE_CHECK_IDS | median step ms | min ms | max ms |\n|---|---|---|---|")
+    for k in ("1", "0"):
+        print(f"| {k} | {med[k]:.3f} | {min(times[k]):.3f} | {max(times[k]):.3f} |")
+    print(f"\n| check costs per step ms | per layer us | share of the step |\n|---|---|---|")
+    print(f"| {diff:.3f} | {1e3 * diff / args.layers:.1f} | {100 * diff / med['1']:.1f}% |")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("kernels", help="kernels and gaps of one forward+backward")
+    k.add_argument("--impl", choices=list(IMPLS), default="ours")
+    k.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t16384")
+    k.add_argument("--rows", type=int, default=25, help="kernel names listed (by total time)")
+    k.add_argument("--trace", default=None, help="also save the chrome trace here")
+    s = sub.add_parser("sync", help="DGE_CHECK_IDS=1 vs 0 on a stack of routed layers")
+    s.add_argument("--layers", type=int, default=48)
+    s.add_argument("--tokens", type=int, default=4096)
+    wl = WORKLOADS["qwen3-30b-a3b-t4096"]
+    s.add_argument("--hidden", type=int, default=wl.hidden)
+    s.add_argument("--intermediate", type=int, default=wl.intermediate)
+    s.add_argument("--experts", type=int, default=wl.num_experts)
+    s.add_argument("--top-k", type=int, default=wl.top_k)
+    s.add_argument("--distinct-weights", action="store_true", help="one expert set per layer (about 116 GB)")
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=4, help="alternations between the two settings")
+    s.add_argument("--steps", type=int, default=5, help="timed steps per setting per round")
+    s.add_argument("--dry-run", action="store_true", help="2 tiny layers, 1 round: checks the script, also on a CPU")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in ("kernels", "sync", "-h", "--help"):
+        argv = ["kernels", *argv]  # the command line before the sync measurement existed
+    args = p.parse_args(argv)
+    return cmd_kernels(args) if args.cmd == "kernels" else cmd_sync(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

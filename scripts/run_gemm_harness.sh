@@ -21,7 +21,7 @@ if [ $rc -ne 0 ]; then
     exit $rc
 fi
 # One line per GEMM kernel instantiation: registers, stack and spills.
-awk '/Compiling entry function/ { name = $0; sub(/.*sm90_bf16_grouped_gemm_kernel/, "gemm", name); sub(/ for .*/, "", name) }
+awk '/Compiling entry function/ { name = $0; sub(/.*sm90_grouped_gemm_kernel/, "gemm", name); sub(/ for .*/, "", name) }
      /spill stores/ && name != "" { spill = $0 }
      /Used [0-9]+ registers/ && name != "" { sub(/.*Used/, "Used"); printf "ptxas %s | %s | %s\n", name, $0, spill; name = "" }' \
     "$BUILD/ptxas.log" | sed -e 's/  */ /g' -e 's/ILNS_5sched15GroupedGemmTypeE/<type=/' -e 's/ELNS_3mma5MajorE/,majorA=/' \

@@ -35,6 +35,8 @@ from deep_gemm_ext.baselines import grouped_mm_moe
 from deep_gemm_ext.reference import reference_forward, swiglu
 from deep_gemm_ext.testing import ROUTINGS, make_inputs, rel_err
 
+from conftest import poison_cached_memory
+
 NAMES = ("y", "dx", "dtopk_w", "dl1", "dl2")
 #: Routings on top of testing.ROUTINGS: all T*K slots on one expert (the pool's worst case),
 #: every slot unused, and experts drawn with replacement (a token may hit one expert twice).
@@ -488,33 +490,3 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.detach().contiguous().view(as_int), b.detach().contiguous().view(as_int))
-
-
-def poison_cached_memory(byte: int = 0xFF, reserve_bytes: int = 4 << 30) -> None:
-    """Fill every block the CUDA caching allocator may hand out next with ``byte`` (0xFF: NaN in
-    bf16 / fp32, -1 in integers).
-
-    A single large poisoned blob only covers requests that land in it: the allocator prefers the
-    best-fitting cached block, and requests up to 1 MiB come from a separate small pool. So every
-    inactive cached block of the current stream's default pool is taken at its exact size, plus
-    fresh large and small segments for requests that fit nowhere else; all are filled, then freed.
-    """
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    stream = torch.cuda.current_stream().cuda_stream
-    held = []
-    for _ in range(2):  # taking a block can split it; a second pass takes the pieces
-        for seg in torch.cuda.memory_snapshot():
-            if seg["stream"] != stream or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
-                continue
-            for block in seg["blocks"]:
-                # A free piece <= 1 MiB of a large segment is never handed out alone (such
-                # requests go to the small pool), so only whole usable blocks are taken.
-                if block["state"] == "inactive" and (seg["segment_type"] == "small" or block["size"] > 1 << 20):
-                    held.append(torch.empty(block["size"], dtype=torch.uint8, device="cuda"))
-    free, _ = torch.cuda.mem_get_info()
-    held.append(torch.empty(min(reserve_bytes, int(free * 0.5)), dtype=torch.uint8, device="cuda"))
-    held += [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(16)]
-    for t in held:
-        t.fill_(byte)
-    del held

@@ -11,7 +11,8 @@ from deep_gemm_ext.recipes import RECIPES
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_inputs, make_routing, rel_err
 
-from gpu_utils import poison_allocator, reference_grads
+from conftest import IS_HOPPER, poison_cached_memory
+from gpu_utils import reference_grads
 
 # One pool shape for every GPU test, so each DeepGEMM kernel is compiled once (T not a multiple of 128).
 T, H, I, E, K = 300, 256, 128, 4, 2
@@ -201,7 +202,7 @@ def test_backend_pipeline_on_torch_emulation(recipe, routing, clamp, torch_deep_
 
 
 def _sm90_with_deep_gemm() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and deepgemm.is_available()
+    return IS_HOPPER and deepgemm.is_available()
 
 
 gpu = pytest.mark.skipif(not _sm90_with_deep_gemm(), reason="needs an SM90 GPU and an importable deep_gemm")
@@ -283,7 +284,7 @@ CASES = [("bf16", "uniform", None), ("bf16", "unused_slots", 1.0), ("bf16", "emp
 @pytest.mark.parametrize("recipe, routing, clamp", CASES)
 def test_layer_forward_and_backward_match_emulation(recipe, routing, clamp, monkeypatch):
     """DeepGEMM's errors against the fp64 reference are those of its torch emulation (design.md §6)."""
-    poison_allocator(1 << 28)
+    poison_cached_memory()
     errors = _run_backend(recipe, routing, clamp, "cuda")
     monkeypatch.setattr(deepgemm, "_deep_gemm", TorchDeepGemm)
     emulated = _run_backend(recipe, routing, clamp, "cuda")
@@ -311,7 +312,7 @@ def test_mega_moe_train_with_deep_gemm_backend(recipe, clamp):
         return lambda x, idx, w, l1, l2, c: dge.mega_moe_train(x, idx, w, l1, l2, activation_clamp=c,
                                                                 backend=backend, recipe=recipe)
 
-    poison_allocator(1 << 28)
+    poison_cached_memory()
     y, g = run_layer(layer("deep_gemm", recipe), x, idx, w, l1, l2, clamp, dy)
     y_auto, g_auto = run_layer(layer("auto", "bf16"), x, idx, w, l1, l2, clamp, dy)
     for name, out, base, ref in zip(("y", "dx", "d_topk", "d_l1", "d_l2"), (y, *g), (y_auto, *g_auto),

@@ -27,11 +27,11 @@ from deep_gemm_ext.reference import reference_forward  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch, pool_rows  # noqa: E402
 from deep_gemm_ext.testing import make_inputs, rel_err  # noqa: E402
 
+from conftest import requires_cuda  # noqa: E402
 from fuzz_utils import NONFINITE_SCENARIOS, check_nonfinite  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "README.md"
 REPO = Path(__file__).resolve().parents[1]
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 T, H, I, E, K = 8, 16, 8, 4, 2
 
@@ -110,6 +110,8 @@ ERRORS = [
     BadInput("l1-rank", "l1_weights is 2-D", _with(l1_weights=lambda a: a["l1_weights"][0]), ValueError),
     BadInput("l1-odd-rows", "l1_weights has an odd number of rows (not [gate; up])",
              _with(l1_weights=lambda a: a["l1_weights"][:, :15].contiguous()), ValueError),
+    BadInput("l1-gate-only", "l1_weights is [E, I, H] (the gate rows only, not [gate; up])",
+             _with(l1_weights=lambda a: a["l1_weights"][:, :I].contiguous()), ValueError),
     BadInput("l1-no-experts", "zero experts",
              _with(l1_weights=lambda a: a["l1_weights"][:0], l2_weights=lambda a: a["l2_weights"][:0]), ValueError),
     BadInput("l1-noncontiguous", "l1_weights is a strided view",
@@ -136,7 +138,8 @@ ERRORS = [
              _with(l1_weights=lambda a: torch.randn(E, 24, H, device=a["x"].device).bfloat16(),
                    l2_weights=lambda a: torch.randn(E, H, 12, device=a["x"].device).bfloat16()),
              ValueError, gpu=True, message=dge.unsupported_shape_reason(H, 12, device_type="cuda")),
-    BadInput("recipe-unsupported", "recipe='fp8' on the default backend", _kw(recipe="fp8"), ValueError),
+    BadInput("recipe-unsupported", "recipe='mxfp8'", _kw(recipe="mxfp8"), ValueError),
+    BadInput("recipe-fp8-shape", "recipe='fp8' with hidden = 16", _kw(recipe="fp8"), ValueError),
     BadInput("backend-unsupported", "backend='cutlass'", _kw(backend="cutlass"), ValueError),
     BadInput("backend-deep-gemm-cpu", "backend='deep_gemm' with CPU tensors", _kw(backend="deep_gemm"), ValueError),
     BadInput("backend-deep-gemm-missing", "backend='deep_gemm' on a GPU where DeepGEMM is not installed",
@@ -217,7 +220,9 @@ def test_error(bad):
 @requires_cuda
 # backend-deep-gemm-cpu is about CPU tensors: on CUDA tensors it is the backend-deep-gemm-missing row.
 @pytest.mark.parametrize("bad", [e for e in ERRORS if e.id != "backend-deep-gemm-cpu"], ids=lambda e: e.id)
-def test_error_on_gpu(bad):
+def test_error_on_gpu(bad, monkeypatch):
+    # The host check of expert ids is opt-in on the GPU (by default a device-side assertion does it).
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")
     if bad.id == "backend-deep-gemm-missing":
         from deep_gemm_ext.providers import deepgemm
         if deepgemm.is_available():
@@ -411,14 +416,16 @@ x, idx, w, l1, l2 = make_inputs(64, 128, 64, 8, 4, device="cuda", seed=0, requir
 
 
 @requires_cuda
-def test_gpu_unchecked_out_of_range_id_asserts_on_device():
-    """DGE_CHECK_IDS=0 (or inside CUDA graph capture): a bad id trips a device-side assertion."""
+@pytest.mark.parametrize("check_ids", ["", "0"], ids=["default", "off"])
+def test_gpu_unchecked_out_of_range_id_asserts_on_device(check_ids):
+    """By default on a GPU, with DGE_CHECK_IDS=0, or inside CUDA graph capture: a bad id trips a
+    device-side assertion (no host sync)."""
     r = _child(_GPU_ARGS + """
 idx[3, 1] = 8
 dge.mega_moe_train(x, idx, w, l1, l2)
 torch.cuda.synchronize()
 print("NO ERROR")
-""", env={"DGE_CHECK_IDS": "0"})
+""", env={"DGE_CHECK_IDS": check_ids})
     assert "NO ERROR" not in r.stdout, "an out-of-range id went through without any error"
     assert "device-side assert" in r.stderr or "topk_idx holds ids outside" in r.stderr, r.stderr[-2000:]
 

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import deep_gemm_ext as dge
 from deep_gemm_ext.testing import make_inputs
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from conftest import requires_cuda
+
 # (device, backend): on the GPU "auto" runs our SM90 kernels where they apply, "torch" torch._grouped_mm.
 DEVICES = [
     pytest.param("cpu", "auto", id="cpu"),

@@ -11,6 +11,8 @@ from torch import nn
 
 import deep_gemm_ext as dge
 
+from conftest import requires_cuda
+
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
@@ -19,17 +21,17 @@ if not hasattr(fsdp, "fully_shard"):
 SETUPS = [
     pytest.param(("gloo", "cpu"), id="gloo-cpu"),
     pytest.param(("nccl", "cuda"), id="nccl-cuda",
-                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+                 marks=requires_cuda),
 ]
 T, H, I, E, K = 96, 64, 32, 8, 2
 
 
 class TinyModel(nn.Module):
-    def __init__(self, dtype, device):
+    def __init__(self, dtype, device, hidden=H, intermediate=I, recipe="bf16"):
         super().__init__()
-        self.proj = nn.Linear(H, H, device=device, dtype=dtype)
-        self.router = nn.Linear(H, E, bias=False, device=device, dtype=dtype)
-        self.moe = dge.MegaMoE(E, H, I, K, device=device, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, device=device, dtype=dtype)
+        self.router = nn.Linear(hidden, E, bias=False, device=device, dtype=dtype)
+        self.moe = dge.MegaMoE(E, hidden, intermediate, K, device=device, dtype=dtype, recipe=recipe)
 
     def forward(self, x):
         h = self.proj(x)
@@ -95,6 +97,29 @@ def test_fully_shard_matches_unsharded(process_group):
         assert torch.equal(a, b), f"step {step}: output differs"
     for step, (got, want) in enumerate(zip(grads, ref_grads)):
         assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"step {step}: grad of {name} differs"
+
+
+@pytest.mark.parametrize("process_group", SETUPS, indirect=True)
+def test_fully_shard_fp8_recipe_requantizes_after_each_step(process_group):
+    """recipe="fp8" quantizes each weight once per version: the all-gathered weights of every step
+    must reach the fp8 weight cache as a new version (a stale copy would change step 2)."""
+    device = process_group
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    reference = TinyModel(dtype, device, hidden=128, intermediate=128, recipe="fp8")
+    sharded = copy.deepcopy(reference)
+    mesh = _mesh(device)
+    fsdp.fully_shard(sharded.moe, mesh=mesh)
+    fsdp.fully_shard(sharded, mesh=mesh)
+    x = torch.randn(T, 128, device=device, dtype=dtype)
+    ref_outs, ref_grads = train_steps(reference, x, steps=3)
+    outs, grads = train_steps(sharded, x, steps=3)
+    assert not torch.equal(ref_outs[0], ref_outs[2])
+    for step, (a, b) in enumerate(zip(outs, ref_outs)):
+        assert torch.equal(a, b), f"step {step}: output differs"
+    for step, (got, want) in enumerate(zip(grads, ref_grads)):
         for name in want:
             assert torch.equal(got[name], want[name]), f"step {step}: grad of {name} differs"
 

@@ -72,7 +72,7 @@ EMULATED = Limits(96, 128, 128, 12, 8, 8, 1 << 22, 1 << 22)
 
 @pytest.mark.parametrize("seed", range(12), ids=lambda s: f"seed-{s}")
 def test_gpu_composition_emulated_on_cpu(seed, monkeypatch):
-    monkeypatch.setattr(plan, "choose_provider", lambda device, dtype, facts, backend:
+    monkeypatch.setattr(plan, "choose_provider", lambda device, dtype, facts, backend, recipe:
                         "grouped_mm" if dtype == torch.bfloat16 else "loop")
     case = draw_case(seed, "cuda", EMULATED)
     result = check_case(case, "cpu", criteria_of=lambda dtype: GPU_CRITERIA, with_baseline=True)

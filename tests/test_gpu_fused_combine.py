@@ -2,7 +2,7 @@
 
 The L2 forward GEMM (weighted) and the L1 dgrad GEMM (unweighted) write pool row r into its token's
 top-k slot row_to_slot[r] of a [T*K, N] output, and combine_slots sums each token's K contiguous
-rows in k order (kernels/impls/sm90_bf16_grouped_gemm_combine.cuh).
+rows in k order (kernels/epilogue/sm90_scatter_slots.cuh).
 
 GPU (Hopper), with NaN-poisoned outputs on uniform / skewed / empty-expert / one-expert /
 unused-slot routings:
@@ -26,8 +26,8 @@ from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_inputs, make_routing
 
-_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
+from conftest import requires_hopper
+
 ROUTINGS = ["uniform", "zipf", "empty_experts", "one_expert", "unused_slots"]
 
 
@@ -51,7 +51,7 @@ def test_combine_configs_exist():
                  "nn_n128_s6_scatter"):
         assert f"sm90_bf16_grouped_gemm_{name}" in names
     code = gg.GemmConfig("nt", 256, epilogue="scatter_weighted").code()
-    assert "EpilogueScatterSlots<true>" in code and "sm90_bf16_grouped_gemm_combine.cuh" in code
+    assert "EpilogueScatterSlots<true>" in code and "epilogue/sm90_scatter_slots.cuh" in code
     from deep_gemm_ext.jit_kernels import gather_combine
     names = [c[0] for c in gather_combine.configs()]
     assert "combine_slots_unweighted" in names and "combine_slots_weighted" in names
@@ -88,7 +88,7 @@ def _weights(layout, num_experts, n, k):
     return (torch.randn(*shape, device="cuda") / k ** 0.5).to(torch.bfloat16)
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("layout", ["nt", "nn"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("num_tokens,k,n", [(777, 1024, 1536), (300, 512, 384), (1, 128, 264)])
@@ -134,7 +134,7 @@ def test_scatter_matches_pool_gemm(layout, routing, num_tokens, k, n):
         assert torch.equal(a, bb), f"combine_slots differs from combine_rows (weights={w is not None})"
 
 
-@needs_hopper
+@requires_hopper
 def test_scatter_drops_out_of_range_slots_and_rows():
     """Slots past num_slots and ends past the pool are dropped: nothing is stored out of bounds."""
     num_experts, top_k, k, n = 2, 2, 256, 256
@@ -157,7 +157,7 @@ def test_scatter_drops_out_of_range_slots_and_rows():
     assert torch.isnan(guard[~written].float()).all(), "a row outside the mapped slots was written"
 
 
-@needs_hopper
+@requires_hopper
 def test_scatter_argument_checks():
     pool = torch.zeros(128, 64, dtype=torch.bfloat16, device="cuda")
     b = torch.zeros(2, 128, 64, dtype=torch.bfloat16, device="cuda")
@@ -190,7 +190,7 @@ def _layer(env, monkeypatch, *, num_tokens=300, routing="empty_experts", clamp=N
     return (y.detach(), *[t.grad for t in leaves])
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("fused_gather", ["0", "cp_async"])
 @pytest.mark.parametrize("clamp", [None, 4.0])

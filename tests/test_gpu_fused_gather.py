@@ -17,8 +17,8 @@ from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_inputs, make_routing
 
-_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
+from conftest import requires_hopper
+
 
 
 def test_gather_argument_checks():
@@ -74,7 +74,7 @@ def _nan(rows, cols):
     return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("mode", gg.GATHER_MODES)
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert", "unused_slots"])
 @pytest.mark.parametrize("num_tokens,hidden,n", [(777, 2048, 1536), (300, 1000, 384), (1, 128, 256)])
@@ -101,7 +101,7 @@ def test_gather_nt_bit_identical(mode, routing, num_tokens, hidden, n):
     assert err < 5e-3
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("mode", gg.GATHER_MODES)
 @pytest.mark.parametrize("clamp", [None, 3.0])
 @pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
@@ -121,7 +121,7 @@ def test_gather_swiglu_bit_identical(mode, clamp, routing):
     assert torch.equal(h1[:used], h0[:used]) and torch.equal(a1[:used], a0[:used])
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("mode", gg.GATHER_MODES)
 def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
     """Slots past the tokens, and ends past the pool, read zero rows: no out-of-bounds access."""
@@ -144,7 +144,7 @@ def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
     assert (out[1] == 0).all() and (out[2:128] == 0).all() and (out[129:] == 0).all()
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("backward", ["0", "1"])
 @pytest.mark.parametrize("mode", ["cp_async", "tma"])
 @pytest.mark.parametrize("fused_epilogues", ["0", "1"])
@@ -166,18 +166,21 @@ def test_layer_fused_gather_bit_identical(backward, mode, fused_epilogues, clamp
         assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER={mode} differs from 0"
 
 
-@needs_hopper
+@requires_hopper
 def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER", "cp_async")
+    from deep_gemm_ext import plan
     x, idx, w, l1, l2 = make_inputs(256, 512, 256, 8, 4, device="cuda", seed=2)
-    outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
-    assert outs[1].shape == (0, 512), "the forward must not build the pool of x"
+    _, made = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, plan.resolve_encoded(x, l1))
+    h, row_to_slot = made[0], made[-1]
+    assert h.shape == (row_to_slot.shape[0], 2 * 256) and not any(t.shape == (h.shape[0], 512) for t in made), \
+        "the forward must not build the pool of x"
     monkeypatch.setenv("DGE_FUSED_GATHER", "0")
-    outs = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, "auto", "bf16")
-    assert outs[1].shape[0] == outs[-1].shape[0], "without the fused gather the pool is saved"
+    _, made = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, plan.resolve_encoded(x, l1))
+    assert made[0].shape == (made[-1].shape[0], 512), "without the fused gather the pool is saved"
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots", "one_expert"])
 @pytest.mark.parametrize("hidden,n", [(2048, 768), (512, 200)])
 def test_gather_nn_bit_identical(routing, hidden, n):
@@ -196,7 +199,7 @@ def test_gather_nn_bit_identical(routing, hidden, n):
     assert torch.equal(got[:used], want[:used])
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("clamp", [None, 2.0])
 @pytest.mark.parametrize("routing", ["uniform", "empty_experts"])
 def test_gather_swiglu_bwd_bit_identical(clamp, routing):
@@ -216,7 +219,7 @@ def test_gather_swiglu_bwd_bit_identical(clamp, routing):
         assert torch.equal(a[:used], b[:used]), name
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("side", ["a", "b"])
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "unused_slots"])
 @pytest.mark.parametrize("m,n", [(768, 2048), (256, 200), (1536, 384)])
@@ -249,7 +252,7 @@ def test_gather_k_grouped_bit_identical(side, routing, m, n):
     assert torch.equal(got, want)
 
 
-@needs_hopper
+@requires_hopper
 def test_layer_builds_no_pool(monkeypatch):
     """With the fused gathers forward and backward (DGE_FUSED_GATHER_BACKWARD=1) no pool of x or dy is
     built: gather_rows is never called (and the backward's memory peak is lower); without them,
@@ -276,7 +279,7 @@ def test_layer_builds_no_pool(monkeypatch):
     assert peaks["cp_async"] < peaks["0"], peaks
 
 
-@needs_hopper
+@requires_hopper
 def test_layer_default_gathers_forward_only(monkeypatch):
     """Default: the L1 forward gathers x itself; the backward builds the pools of dy and x."""
     from deep_gemm_ext import elementwise

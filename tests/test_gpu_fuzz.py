@@ -10,11 +10,11 @@ largest error, each with its seed) is printed at the end; reproduce a case with
 import time
 
 import pytest
-import torch
 
+from conftest import requires_cuda
 from fuzz_utils import check_case, draw_case, failure_report, summary_line
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = requires_cuda
 
 GPU_SEEDS = range(256)
 _RESULTS = []

@@ -11,12 +11,13 @@ import shutil
 import pytest
 import torch
 
+from deep_gemm_ext import jit
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
 
-_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an SM90 (Hopper) GPU")
+from conftest import requires_hopper
+
 
 
 # -- CPU ----------------------------------------------------------------------------------------------------
@@ -40,27 +41,61 @@ def test_configs_render_one_kernel_each():
     configs = gg.configs()
     names = [c[0] for c in configs]
     assert len(names) == len(set(names))
-    for name, code, is_gemm, smem in configs:
-        assert is_gemm and code.count("sm90_bf16_grouped_gemm_kernel<") == 1, name
-        assert smem <= 232448, f"{name}: {smem} B exceeds an SM90 CTA's shared memory"
+    for name, code, is_gemm in configs:
+        assert is_gemm and code.count("sm90_grouped_gemm_kernel<") == 1, name
+        assert code.count("DGE_EXPORT_SMEM_BYTES(") == 1, name
 
 
-def test_smem_matches_kernel_layout():
-    # SmemLayout<BLOCK_N, stages, EpilogueStoreBF16>::kTotalBytes as the harness prints it.
+def test_template_argument_types_follow_the_declared_epilogue_args():
+    # The rendered pack is the declared list: the launch tuple is packed from the same list.
+    for config in gg._all_configs():
+        declared = config.args[len(gg.CORE_ARGS):]
+        assert f"dge::gemm::MainloopBF16, Epilogue, {jit.render_types(declared)}>);" in config.code(), config.name
+
+
+def test_pack_args_checks_every_declared_type():
+    import ctypes
+    args = gg.GemmConfig("nt", 256, epilogue="scatter").args[len(gg.CORE_ARGS):]
+    out = torch.zeros(4, 8, dtype=torch.bfloat16)
+    slots = torch.zeros(4, dtype=torch.int32)
+    packed = jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=4, num_slots=4, out_cols=8)
+    assert packed[0] is out and packed[1] is slots and packed[2].value == 0
+    assert [type(v) for v in packed[3:]] == [ctypes.c_uint32] * 3 and packed[5].value == 8
+    with pytest.raises(TypeError, match=r"'out' \(__nv_bfloat16\*\): expected a torch.bfloat16 tensor, got a torch.float32"):
+        jit.pack_args("k", args, out=out.float(), row_to_slot=slots, weights=None, num_rows=4, num_slots=4, out_cols=8)
+    with pytest.raises(TypeError, match=r"'num_rows' \(uint32_t\): expected an int in \[0, 2\*\*32\), got -1"):
+        jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=-1, num_slots=4, out_cols=8)
+    with pytest.raises(TypeError, match=r"missing \['out_cols'\], unexpected \['n'\]"):
+        jit.pack_args("k", args, out=out, row_to_slot=slots, weights=None, num_rows=4, num_slots=4, n=8)
+    with pytest.raises(TypeError, match=r"'row_to_slot' \(const int\*\): expected a torch.int32 tensor, got NoneType"):
+        jit.pack_args("k", args, out=out, row_to_slot=None, weights=None, num_rows=4, num_slots=4, out_cols=8)
+    with pytest.raises(ValueError, match="ctype='int64_t'"):
+        jit.render_types((jit.KernelArg("x", "int64_t"),))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_smem_is_read_from_the_kernel():
+    # SmemLayout<BLOCK_N, stages, EpilogueStoreBF16>::kTotalBytes, as exported by the kernel source.
     assert gg.GemmConfig("nt", 256).smem_bytes() == 230464
     assert gg.GemmConfig("nt", 128).smem_bytes() == 230496
 
 
 def test_block_n_choice():
-    assert gg._pick_block_n(1536) == 256
-    assert gg._pick_block_n(384) == 128
-    assert gg._pick_block_n(768) == 256
+    assert gg.select_tile(1536).block_n == 256
+    assert gg.select_tile(384).block_n == 128
+    assert gg.select_tile(768).block_n == 256
+    assert gg.select_tile(100).block_n == 128
+    assert gg.select_tile(640, divides=True).block_n == 128
+    assert gg.select_tile(512, divides=True).block_n == 256
+    assert gg.select_tile(384, widths=(256,)).block_n == 256
+    with pytest.raises(ValueError, match="N=200: no tile"):
+        gg.select_tile(200, divides=True)
+    assert [t.stages for t in gg.TILES] == [4, 6]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_configs_compile_without_spills():
-    from deep_gemm_ext import jit
-    for name, code, _, _ in gg.configs():
+    for name, code, _ in gg.configs():
         kernel = jit.build(name, code)
         usage = kernel.resources()
         assert usage and all(u.spill_bytes == 0 for u in usage), f"{name}: {usage}"
@@ -97,7 +132,7 @@ def _check_m_grouped(out, ref_fn, a, starts, ends):
             assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
 @pytest.mark.parametrize("n,k", [(1536, 2048), (1000, 1000), (384, 256)])
 def test_nt(routing, n, k):
@@ -108,7 +143,7 @@ def test_nt(routing, n, k):
     _check_m_grouped(out, lambda e, ae: ae @ b[e].float().T, a, starts, ends)
 
 
-@needs_hopper
+@requires_hopper
 def test_nt_paired_matches_plain():
     a, starts, ends = _pool(2048, 8, 8, "uniform", 512, seed=3)
     b = (torch.randn(8, 1536, 512, device="cuda") / 512 ** 0.5).to(torch.bfloat16)
@@ -118,7 +153,7 @@ def test_nt_paired_matches_plain():
     assert torch.equal(plain[:used], paired[:used])
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "empty_experts"])
 @pytest.mark.parametrize("n,k", [(768, 2048), (2048, 1536), (200, 128)])
 def test_nn(routing, n, k):
@@ -129,7 +164,7 @@ def test_nn(routing, n, k):
     _check_m_grouped(out, lambda e, ae: ae @ b[e].float(), a, starts, ends)
 
 
-@needs_hopper
+@requires_hopper
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts"])
 @pytest.mark.parametrize("m,n", [(1536, 2048), (256, 384)])
 def test_tn(routing, m, n):
@@ -146,7 +181,21 @@ def test_tn(routing, m, n):
             assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
 
 
-@needs_hopper
+@requires_hopper
+def test_print_configs_knob(monkeypatch, capfd):
+    a, starts, ends = _pool(300, 4, 2, "uniform", 256, seed=5)
+    b = torch.randn(4, 384, 256, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("DGE_PRINT_CONFIGS", "1")
+    gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends)
+    err = capfd.readouterr().err
+    assert "sm90_bf16_grouped_gemm_nt_n128_s6: M=" in err and "N=384 K=256 block_n=128 stages=6" in err
+    assert f"smem={gg.GemmConfig('nt', 128).smem_bytes()}" in err
+    monkeypatch.setenv("DGE_PRINT_CONFIGS", "0")
+    gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends)
+    assert "sm90_bf16_grouped_gemm" not in capfd.readouterr().err
+
+
+@requires_hopper
 def test_no_tokens_writes_nothing():
     a, starts, ends = _pool(0, 8, 4, "uniform", 256, seed=0)
     b = torch.randn(8, 256, 256, device="cuda").to(torch.bfloat16)
@@ -156,7 +205,7 @@ def test_no_tokens_writes_nothing():
     assert torch.isnan(out.float()).all()
 
 
-@needs_hopper
+@requires_hopper
 def test_shape_errors():
     a = torch.zeros(256, 100, dtype=torch.bfloat16, device="cuda")
     b = torch.zeros(2, 64, 100, dtype=torch.bfloat16, device="cuda")

@@ -1,15 +1,17 @@
 """What a training stack needs on the GPU: fwd + bwd captured in a CUDA graph and replayed with new
 inputs bit-equal to eager (torch.cuda.graph and make_graphed_callables); MegaMoE on the GPU path,
-under autocast; transformers' Qwen3-MoE with its experts swapped (bf16).
+under autocast.
 
-torch.compile and opcheck on CUDA are in test_compile.py, FSDP2 over nccl in test_fsdp.py."""
+torch.compile and opcheck on CUDA are in test_compile.py, FSDP2 over nccl in test_fsdp.py,
+transformers models in test_gpu_transformers.py."""
 import pytest
 import torch
 
 import deep_gemm_ext as dge
 from deep_gemm_ext.testing import make_inputs, rel_err
 
-from gpu_utils import reference_grads, requires_cuda
+from conftest import requires_cuda
+from gpu_utils import reference_grads
 
 pytestmark = requires_cuda
 
@@ -111,43 +113,3 @@ def test_module_under_autocast():
     assert torch.equal(y, want)
     y.float().square().sum().backward()
     assert module.l1_weights.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
-
-
-def tiny_config(transformers, **over):
-    kwargs = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
-                  mlp_only_layers=[], max_position_embeddings=256, router_aux_loss_coef=0.01)
-    kwargs.update(over)
-    return transformers.Qwen3MoeConfig(**kwargs)
-
-
-def test_hf_qwen3_moe_bf16_block_and_model():
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
-
-    config = tiny_config(transformers)
-    torch.manual_seed(0)
-    block = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.05)
-    adapted = dge.MegaQwen3MoeSparseBlock(block)
-    x = torch.randn(2, 100, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    out_hf, out = block(x), adapted(x)
-    y_hf, y = (o[0] if isinstance(o, tuple) else o for o in (out_hf, out))
-    assert rel_err(y, y_hf) < 2e-2
-    g_hf = torch.autograd.grad(y_hf, (x, block.gate.weight), dy)
-    g = torch.autograd.grad(y, (x, adapted.gate.weight), dy)
-    for name, a, b in zip(("dx", "d router"), g, g_hf):
-        assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))
-
-    model = transformers.Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (2, 128), device="cuda")
-    loss_hf = model(input_ids=ids, labels=ids).loss
-    assert dge.replace_qwen3_moe_experts(model) == config.num_hidden_layers
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert abs(loss.item() - loss_hf.item()) < 2e-2 * loss_hf.item()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

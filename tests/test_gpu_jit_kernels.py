@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from conftest import poison_cached_memory, requires_cuda
+
+pytestmark = requires_cuda
 
 from deep_gemm_ext import jit  # noqa: E402
 from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, routing_metadata, swiglu_backward,  # noqa: E402
@@ -30,22 +31,12 @@ def prebuilt():
         list(pool.map(lambda c: jit.build(c[0], c[1]), configs))
 
 
-def _poison_allocator(nbytes: int, fill) -> None:
-    """Leave a freed block full of ``fill`` in torch's cache: outputs the kernel forgets to write show it."""
-    block = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=DEVICE)
-    if isinstance(fill, float):
-        block.view(torch.float32).fill_(fill)
-    else:
-        block.fill_(fill)
-    del block
-
-
 # -- routing --------------------------------------------------------------------------------------------
 
 
 def _assert_routing_equal(topk_idx: torch.Tensor, num_experts: int, align: int) -> None:
     ref = compute_routing_torch(topk_idx, num_experts, align)
-    _poison_allocator(4 * (topk_idx.numel() * 2 + num_experts * align + 64 * num_experts), -7)
+    poison_cached_memory(0xF9)  # ints -101058055: no routing output takes that value
     got = routing_metadata(topk_idx, num_experts, align)
     names = ("counts", "starts", "ends", "slot_to_row", "row_to_slot")
     for name, a, b in zip(names, got.tensors(), ref.tensors()):
@@ -142,7 +133,7 @@ def _assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, label: str) -> None
 @pytest.mark.parametrize("rows,inter", [(1000, 768), (3, 64), (257, 24), (0, 64)])
 def test_swiglu_forward(rows, inter, clamp):
     h = _random_h(rows, inter, clamp)
-    _poison_allocator(rows * inter * 2, float("nan"))
+    poison_cached_memory()
     act = swiglu_forward(h, clamp)
     assert act.shape == (rows, inter) and act.dtype == torch.bfloat16
     _assert_bf16_close(act, _swiglu_reference(h, None, None, clamp), "act")
@@ -154,7 +145,7 @@ def test_swiglu_backward(rows, inter, clamp):
     h = _random_h(rows, inter, clamp)
     da = torch.randn(rows, inter, device=DEVICE).bfloat16()
     w = torch.rand(rows, device=DEVICE) + 0.1
-    _poison_allocator(rows * inter * 8, float("nan"))
+    poison_cached_memory()
     dh, dweight, act_w = swiglu_backward(h, da, w, clamp)
     ref_act, ref_dh, ref_dweight, ref_act_w = _swiglu_reference(h, da, w, clamp)
     _assert_bf16_close(dh, ref_dh, "dh")
@@ -181,7 +172,7 @@ def test_gather_rows_exact(num_tokens, hidden):
     top_k = 4
     meta = _meta(num_tokens, 16, top_k)
     x = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
-    _poison_allocator(meta.num_pool_rows * hidden * 2, float("nan"))
+    poison_cached_memory()
     pool = gather_rows(x, meta.row_to_slot, top_k)
     valid = meta.row_to_slot >= 0
     src = (meta.row_to_slot.long() // top_k).clamp(min=0)
@@ -217,7 +208,7 @@ def test_combine_rows_exact(num_tokens, hidden, top_k, weighted):
     o = torch.randn(meta.num_pool_rows, hidden, device=DEVICE).bfloat16()
     o[meta.row_to_slot < 0] = float("nan")  # padding rows must never be read
     weights = torch.rand(num_tokens, top_k, device=DEVICE) if weighted else None
-    _poison_allocator(num_tokens * hidden * 2, float("nan"))
+    poison_cached_memory()
     y = combine_rows(o, meta.slot_to_row, weights, top_k)
     assert torch.equal(y, _combine_reference(o, meta.slot_to_row, weights, top_k))
 
@@ -282,25 +273,6 @@ def test_tensor_map_by_value():
         valid = flat[row0:row0 + 16, col0:col0 + 64]
         ref[:valid.shape[0]] = valid
         assert torch.equal(out, ref)
-
-
-def test_warm_launch_host_overhead():
-    from deep_gemm_ext.jit_kernels import swiglu
-    kernel = jit.build(*swiglu._FORWARD[False])
-    h = torch.randn(1, 16, device=DEVICE).bfloat16()
-    act = torch.empty(1, 8, device=DEVICE, dtype=torch.bfloat16)
-    args = (h, act, ctypes.c_int64(1), ctypes.c_int32(8), ctypes.c_float(math.inf))
-    for _ in range(100):
-        kernel.launch((1, 1, 1), (256, 1, 1), args)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(20_000_000)  # keep the GPU busy: the launches below only queue (host time alone)
-    start = time.perf_counter()
-    for _ in range(500):
-        kernel.launch((1, 1, 1), (256, 1, 1), args)
-    per_launch_us = (time.perf_counter() - start) / 500 * 1e6
-    torch.cuda.synchronize()
-    print(f"\nwarm Kernel.launch host time: {per_launch_us:.2f} us")
-    assert per_launch_us < 20
 
 
 def test_nvrtc_build_runs(tmp_path, monkeypatch):

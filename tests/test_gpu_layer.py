@@ -7,8 +7,9 @@ import deep_gemm_ext as dge
 from deep_gemm_ext.baselines import grouped_mm_moe
 from deep_gemm_ext.testing import ROUTINGS, make_inputs, rel_err
 
+from conftest import poison_cached_memory, requires_cuda
 from fuzz_utils import BF16_HALF_ULP, GPU_CRITERIA, effective_counts
-from gpu_utils import poison_allocator, reference_grads, requires_cuda, run_layer
+from gpu_utils import reference_grads, run_layer
 
 pytestmark = requires_cuda
 
@@ -29,9 +30,9 @@ def check_against_reference(T, H, I, E, K, routing, clamp, seed):
     x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, routing=routing, device="cuda", seed=seed)
     dy = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(torch.bfloat16)
     y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
-    poison_allocator()
+    poison_cached_memory()
     y, g = run_layer(ours, x, idx, w, l1, l2, clamp, dy)
-    poison_allocator()
+    poison_cached_memory()
     yb, gb = run_layer(grouped_mm_moe, x, idx, w, l1, l2, clamp, dy)
     torch.cuda.synchronize()
     rows = []
@@ -96,7 +97,10 @@ def test_bit_identical_repeats():
         assert all(torch.equal(a, b) for a, b in zip(first[1], again[1]))
 
 
-def test_out_of_range_id_is_an_error():
+def test_out_of_range_id_is_an_error(monkeypatch):
+    """With the host check (DGE_CHECK_IDS=1; by default the GPU asserts on the device instead,
+    tests/test_bad_inputs.py)."""
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")
     x, idx, w, l1, l2 = make_inputs(64, 256, 128, 16, 4, device="cuda")
     idx = idx.clone()
     idx[3, 1] = 16

@@ -14,10 +14,11 @@ import torch
 import deep_gemm_ext as dge
 from deep_gemm_ext.routing import compute_routing_torch, pool_rows
 
+from conftest import poison_cached_memory, requires_cuda
 from fuzz_utils import (NAMES, NONFINITE_SCENARIOS, FuzzCase, bitwise_equal, check_nonfinite, make_case_inputs,
-                        poison_cached_memory, run_layer)
+                        run_layer)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = requires_cuda
 
 
 def _case(T, H, I, E, K, routing, clamp, seed=5, idx_dtype=torch.int64):

@@ -18,18 +18,11 @@ import torch
 from deep_gemm_ext import jit
 from deep_gemm_ext.jit import compiler
 
+from conftest import requires_compiler
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _has_compiler() -> bool:
-    try:
-        compiler.select_compiler()
-        return True
-    except RuntimeError:
-        return False
-
-
-needs_compiler = pytest.mark.skipif(not _has_compiler(), reason="no nvcc and no NVRTC here")
 
 # A tiny kernel on the real include tree; `tag` makes each test's source (and cache key) unique.
 _KERNEL = """#include <common/utils.cuh>
@@ -130,7 +123,7 @@ ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem, 400 bytes 
 # -- compiling and the disk cache ----------------------------------------------------------------------
 
 
-@needs_compiler
+@requires_compiler
 def test_build_populates_cache_then_hits(cache_dir):
     code = _code("build")
     kernel = jit.build("scale_build", code)
@@ -147,7 +140,7 @@ def test_build_populates_cache_then_hits(cache_dir):
     assert not any((cache_dir / "tmp").iterdir())
 
 
-@needs_compiler
+@requires_compiler
 def test_compile_error_is_reported_and_cleaned(cache_dir):
     with pytest.raises(RuntimeError, match="failed") as info:
         jit.build("broken", _code("broken").replace("in[i] * kScale", "in[i] * undefined_symbol"))
@@ -164,7 +157,7 @@ def _compile_in_child(cache: str, code: str, start_at: float):
     return str(entry.path), entry.compiled
 
 
-@needs_compiler
+@requires_compiler
 def test_concurrent_compiles_publish_one_entry(cache_dir):
     code = _code(f"race {time.time_ns()}")
     start_at = time.time() + 3.0  # all four children compile at once, after their imports
@@ -182,7 +175,7 @@ def test_concurrent_compiles_publish_one_entry(cache_dir):
 # -- environment knobs ------------------------------------------------------------------------------
 
 
-@needs_compiler
+@requires_compiler
 def test_cache_dir_knob(cache_dir, tmp_path, monkeypatch):
     other = tmp_path / "elsewhere"
     monkeypatch.setenv("DGE_JIT_CACHE_DIR", str(other))
@@ -219,7 +212,7 @@ def test_lineinfo_knob(cache_dir, monkeypatch):
     assert lined.path != plain.path  # a different key, not a stale hit
 
 
-@needs_compiler
+@requires_compiler
 def test_dump_ptx_knob(cache_dir, monkeypatch):
     entry = compiler.compile_cached("scale_ptx", _code("ptx"))
     assert not entry.ptx_path.exists()
@@ -230,7 +223,7 @@ def test_dump_ptx_knob(cache_dir, monkeypatch):
     assert ".entry" in fresh.ptx_path.read_text()
 
 
-@needs_compiler
+@requires_compiler
 def test_dump_sass_knob(cache_dir, monkeypatch, caplog):
     monkeypatch.setenv("DGE_JIT_DUMP_SASS", "1")
     with caplog.at_level(logging.WARNING, logger="deep_gemm_ext.jit"):
@@ -241,7 +234,7 @@ def test_dump_sass_knob(cache_dir, monkeypatch, caplog):
         assert "scale_kernel" in (entry.path / "kernel.sass").read_text()
 
 
-@needs_compiler
+@requires_compiler
 def test_ptxas_verbose_knob(cache_dir, monkeypatch, capfd):
     monkeypatch.setenv("DGE_JIT_PTXAS_VERBOSE", "1")
     compiler.compile_cached("scale_verbose", _code("verbose"))
@@ -249,7 +242,7 @@ def test_ptxas_verbose_knob(cache_dir, monkeypatch, capfd):
     assert "ptxas report for scale_verbose" in err and "registers" in err
 
 
-@needs_compiler
+@requires_compiler
 def test_debug_knob_logs_compiles_and_hits(cache_dir, monkeypatch, caplog):
     monkeypatch.setenv("DGE_JIT_DEBUG", "1")
     with caplog.at_level(logging.INFO, logger="deep_gemm_ext.jit"):
@@ -258,7 +251,7 @@ def test_debug_knob_logs_compiles_and_hits(cache_dir, monkeypatch, caplog):
     assert "compiled scale_debug" in caplog.text and "cache hit scale_debug" in caplog.text
 
 
-@needs_compiler
+@requires_compiler
 def test_slow_first_compile_logs_one_line(cache_dir, monkeypatch, caplog):
     monkeypatch.setattr(compiler, "SLOW_COMPILE_SECONDS", 0.0)
     with caplog.at_level(logging.INFO, logger="deep_gemm_ext.jit"):
@@ -292,13 +285,25 @@ def test_no_compiler_error_is_clear(cache_dir, monkeypatch):
 
 
 def test_registered_configs_cover_the_jit_kernels():
-    groups = jit.registered_configs(strict=False)
+    import deep_gemm_ext.jit_kernels  # noqa: F401  (its modules register their configs on import)
+    groups = jit.registered_configs()
     names = {config.name for configs in groups.values() for config in configs}
     assert {"moe_routing", "swiglu", "gather_combine"} <= set(groups)
     assert {"moe_routing_scatter_int64", "swiglu_backward_clamp", "combine_rows_weighted"} <= names
     for configs in groups.values():
         for config in configs:
             assert config.code.count("template __global__") + config.code.count("__instantiate") >= 1
+
+
+def test_registry_imports_no_kernel_module():
+    # The registry only stores; the CLI imports the kernel modules (no jit <-> jit_kernels cycle).
+    import ast
+    from pathlib import Path
+    for module in ("registry", "__init__", "compiler", "runtime", "args", "tma"):
+        tree = ast.parse((Path(jit.__file__).parent / f"{module}.py").read_text())
+        names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not any("jit_kernels" in name for name in names), module
 
 
 def test_register_rejects_a_second_owner():
@@ -310,7 +315,7 @@ def test_register_rejects_a_second_owner():
         jit.register("test_jit_duplicate")(lambda: [])
 
 
-@needs_compiler
+@requires_compiler
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_launch_without_gpu_is_a_clear_error(cache_dir):
     kernel = jit.build("scale_nogpu", _code("nogpu"))

@@ -12,33 +12,50 @@ from deep_gemm_ext import jit
 from deep_gemm_ext.jit import __main__ as cli
 from deep_gemm_ext.jit import compiler
 
+from conftest import requires_compiler
+
 REPO = Path(__file__).resolve().parents[1]
 
-try:
-    compiler.select_compiler()
-    HAS_COMPILER = True
-except RuntimeError:
-    HAS_COMPILER = False
+pytestmark = requires_compiler
 
-pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no nvcc and no NVRTC here")
+
+def _block(stdout: str, group: str) -> dict[str, list[str]]:
+    """The rows under ``group``'s heading, by (short) config name."""
+    lines = stdout.splitlines()
+    start = lines.index(group) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("  "):
+            break
+        rows[line.split()[0]] = line.split()
+    return rows
 
 
 def test_cli_builds_the_routing_kernels(tmp_path):
     env = dict(os.environ, DGE_JIT_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-m", "deep_gemm_ext.jit", "build", "--arch", "sm_90a",
-                             "--only", "moe_routing", "-j", "2"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "deep_gemm_ext.jit", "build", "--arch", "sm_90a", "--only", "moe_routing", "-j", "2"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.startswith("moe_routing ")}
-    assert {"moe_routing_scan", "moe_routing_histogram_int32", "moe_routing_scatter_int64"} <= set(lines)
-    for cells in lines.values():
-        registers, spills = int(cells[2]), cells[3]
+    rows = _block(result.stdout, "moe_routing")
+    assert {"scan", "histogram_int32", "scatter_int64"} <= set(rows)
+    entries = sorted(entry.name for entry in (tmp_path / "kernels").iterdir())
+    assert len(entries) == 5
+    for cells in rows.values():
+        registers, spills, key = int(cells[1]), cells[2], cells[-1]
         assert 0 < registers <= 255 and spills == "0+0"
+        assert len(key) == 8 and sum(entry.rsplit(".", 1)[1].startswith(key) for entry in entries) == 1
     assert "5/5 configurations OK for sm_90a" in result.stdout
-    assert len(list((tmp_path / "kernels").iterdir())) == 5
+    assert max(len(line) for line in result.stdout.splitlines()) <= 100
+    assert str(tmp_path) not in result.stdout  # paths only with -v
+
+    verbose = subprocess.run(command + ["-v"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    for cells in _block(verbose.stdout, "moe_routing").values():
+        assert cells[6] == "hit" and Path(cells[8]).parent == tmp_path / "kernels"
 
 
 _NO_WGMMA_GEMM = """#include <common/utils.cuh>
+extern "C" __constant__ const unsigned int dge_dynamic_smem_bytes = 4096;
 template <int kN>
 __global__ void fake_gemm_kernel(float* out) { out[threadIdx.x] = kN; }
 template __global__ void fake_gemm_kernel<1>(float*);
@@ -61,10 +78,10 @@ def registry_entry():
 
 def test_cli_reports_wgmma_and_fails_on_errors(tmp_path, monkeypatch, capsys, registry_entry):
     monkeypatch.setenv("DGE_JIT_CACHE_DIR", str(tmp_path))
-    registry_entry("test_cli_fake_gemm", [("fake_gemm", _NO_WGMMA_GEMM, True, 4096)])
+    registry_entry("test_cli_fake_gemm", [("fake_gemm", _NO_WGMMA_GEMM, True)])
     assert cli.main(["build", "--only", "test_cli_fake_gemm"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("test_cli_fake_gemm"))
-    assert row.split()[5:7] == ["4096", "NO"]  # dynamic smem as declared; no wgmma in the PTX
+    row = _block(capsys.readouterr().out, "test_cli_fake_gemm")["fake_gemm"]
+    assert row[4:6] == ["4096", "NO"]  # dynamic smem as the source exports it; no wgmma in the PTX
 
     registry_entry("test_cli_broken", [("broken", _NO_WGMMA_GEMM.replace("kN;", "kN + nope;"), False)])
     assert cli.main(["build", "--only", "test_cli_broken"]) == 1

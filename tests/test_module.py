@@ -2,6 +2,7 @@
 meta-device construction; and a smoke run of examples/train_tiny_moe.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,17 @@ def test_leading_dims_and_weight_dtypes():
         y = m(x.view(B, S, H), idx.view(B, S, K), weights.view(B, S, K))
         assert y.shape == (B, S, H)
     assert torch.equal(m(x.view(B, S, H), idx.view(B, S, K), w.view(B, S, K)).view(B * S, H), flat)
+
+
+@pytest.mark.parametrize("shape", [(16, 3), (5, 3), (2, 8, 2), (16,), (16, 1)])
+def test_topk_weights_shape_must_equal_topk_idx_shape(shape):
+    """Checked before any reshape: a (16, 3) input used to be reported as (24, 2), a (5, 3) one as a
+    raw reshape error, and (2, 8, 2) against a (16, 2) topk_idx was silently accepted."""
+    m = dge.MegaMoE(4, 16, 8, 2, dtype=torch.float32)
+    x, idx, _, _, _ = make_inputs(16, 16, 8, 4, 2, dtype=torch.float32, requires_grad=False)
+    expected = re.escape(f"topk_weights has shape {shape}; expected topk_idx's shape (16, 2)")
+    with pytest.raises(ValueError, match=expected):
+        m(x, idx, torch.rand(shape))
 
 
 def test_argument_errors():

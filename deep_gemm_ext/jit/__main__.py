@@ -1,17 +1,42 @@
 """``python -m deep_gemm_ext.jit build --arch sm_90a --all``: compile every registered config (no GPU needed).
 
-Prints ptxas' resource report per kernel and, for GEMM kernels, whether the PTX issues
-``wgmma.mma_async``. Exits non-zero on a compile error or on register spills in a GEMM kernel.
+Prints ptxas' resource report per kernel (registers, spill and shared memory bytes), for GEMM
+kernels whether the PTX issues ``wgmma.mma_async``, the compile time and the start of the cache
+entry's hash (``-v``: the entry's path), within about 100 columns. Exits non-zero on a compile
+error or on register spills in a GEMM kernel.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pkgutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from .compiler import DEFAULT_ARCH, compile_cached
-from .registry import Config, import_kernel_modules, registered_configs
+from .registry import Config, registered_configs
+from .runtime import SMEM_SYMBOL
+
+#: The package whose modules register the kernel configurations.
+KERNEL_PACKAGE = "deep_gemm_ext.jit_kernels"
+
+
+def import_kernel_modules() -> dict[str, Exception]:
+    """Import every module of KERNEL_PACKAGE so their ``@register`` hooks run; returns the modules
+    that failed to import, with their errors (one broken module must not hide the others' configs)."""
+    try:
+        package = importlib.import_module(KERNEL_PACKAGE)
+    except Exception as exc:
+        return {KERNEL_PACKAGE: exc}
+    failures = {}
+    for module in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{module.name}"
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            failures[name] = exc
+    return failures
 
 
 def _build_one(config: Config, arch: str):
@@ -21,10 +46,16 @@ def _build_one(config: Config, arch: str):
         return None, exc
 
 
-def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]]:
-    problems = []
+def _short_name(group: str, name: str) -> str:
+    """The config's name without its group's prefix (the group heads its rows)."""
+    return name[len(group) + 1:] if name.startswith(group + "_") else name
+
+
+def _row(group: str, config: Config, entry, error, verbose: bool) -> tuple[list[str], list[str]]:
+    name = _short_name(group, config.name)
     if error is not None:
-        return [group, config.name, "ERROR", "", "", "", "", "", ""], [f"{config.name}: {error}"]
+        return [name, "ERROR"], [f"{config.name}: {error}"]
+    problems = []
     usages = entry.resources()
     if not usages:
         problems.append(f"{config.name}: no ptxas report in {entry.path / 'ptxas.log'}")
@@ -37,21 +68,40 @@ def _row(group: str, config: Config, entry, error) -> tuple[list[str], list[str]
         if usage is not None and usage.spill_bytes:
             problems.append(f"{config.name}: GEMM kernel spills {usage.spill_stores} B stores + "
                             f"{usage.spill_loads} B loads")
-    dyn = "-" if config.dynamic_smem is None else str(config.dynamic_smem)
-    cells = [group, config.name,
+    smem = entry.exported_u32(SMEM_SYMBOL)
+    dyn = "-" if smem is None else str(smem)
+    # Entries are named <kernel>.<sha256>; a short prefix of the hash tells entries apart.
+    key = entry.path.name.rsplit(".", 1)[-1][:_SHORT_HASH]
+    cells = [name,
              str(usage.registers) if usage else "?",
              f"{usage.spill_stores}+{usage.spill_loads}" if usage else "?",
              str(usage.static_smem) if usage else "?", dyn, wgmma or "-",
-             f"{entry.seconds:.1f}s" if entry.compiled else "cached", str(entry.path.name)]
+             f"{entry.seconds:.1f}s" if entry.compiled else "hit", key]
+    if verbose:
+        cells.append(str(entry.path))
     return cells, problems
 
 
-def _print_table(rows: list[list[str]]) -> None:
-    header = ["group", "config", "regs", "spill st+ld B", "static smem B", "dyn smem B", "wgmma", "compile",
-              "cache entry"]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths]] + rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+_SHORT_HASH = 8
+# Sizes in bytes (spill: stores+loads; smem: static; dyn: dynamic shared memory); build: compile seconds,
+# or "hit" for a cache hit; key: the start of the cache entry's hash.
+_HEADER = ["config", "regs", "spill", "smem", "dyn", "wgmma", "build", "key"]
+
+
+def _print_table(groups: list[tuple[str, list[list[str]]]], verbose: bool) -> None:
+    """One block per group (its name, then its configs indented), columns aligned across blocks."""
+    header = _HEADER + (["cache entry"] if verbose else [])
+    rows = [row for _, block in groups for row in block]
+    widths = [max(len(r[i]) for r in [header] + rows if i < len(r)) for i in range(len(header))]
+
+    def line(cells):
+        return ("  " + "  ".join(cell.ljust(width) for cell, width in zip(cells, widths))).rstrip()
+
+    print(line(header))
+    for group, block in groups:
+        print(group)
+        for row in block:
+            print(line(row))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--only", action="append", default=[],
                        help="configurations whose group or name contains this text (repeatable)")
     build.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    build.add_argument("-v", "--verbose", action="store_true", help="also print each cache entry's path")
     args = parser.parse_args(argv)
 
     if not args.all and not args.only:
@@ -71,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import_failures = [f"{name}: {type(exc).__name__}: {exc}" for name, exc in import_kernel_modules().items()]
     for failure in import_failures:
         print(f"{'FAILED' if args.all else 'WARNING'} import {failure}", file=sys.stderr)
-    selected = [(group, config) for group, configs in registered_configs(strict=False).items() for config in configs
+    selected = [(group, config) for group, configs in registered_configs().items() for config in configs
                 if args.all or any(s in group or s in config.name for s in args.only)]
     if not selected:
         print("no registered configuration matches", file=sys.stderr)
@@ -80,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = list(pool.map(lambda item: _build_one(item[1], args.arch), selected))
 
-    rows, problems, failed = [], [], 0
+    groups: dict[str, list[list[str]]] = {}
+    problems, failed = [], 0
     for (group, config), (entry, error) in zip(selected, results):
-        cells, issues = _row(group, config, entry, error)
-        rows.append(cells)
+        cells, issues = _row(group, config, entry, error, args.verbose)
+        groups.setdefault(group, []).append(cells)
         problems += issues
         failed += bool(issues)
-    _print_table(rows)
+    _print_table(list(groups.items()), args.verbose)
     for problem in problems:
         print(f"FAILED {problem}", file=sys.stderr)
     print(f"{len(selected) - failed}/{len(selected)} configurations OK for {args.arch}")

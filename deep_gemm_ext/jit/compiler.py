@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import logging
 import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -48,32 +47,8 @@ def kernels_dir() -> Path:
                        f"{package.parent / 'kernels'} is a directory")
 
 
-@functools.lru_cache(maxsize=None)
-def cutlass_include_dir() -> Path | None:
-    """CuTe/CUTLASS headers shipped by the ``nvidia-cutlass`` wheel, if installed (found without importing it)."""
-    spec = importlib.util.find_spec("cutlass_library")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        include = Path(location) / "source" / "include"
-        if (include / "cute").is_dir():
-            return include
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _cutlass_identity() -> str:
-    if cutlass_include_dir() is None:
-        return "cutlass:none"
-    try:
-        return "cutlass:" + importlib.metadata.version("nvidia-cutlass")
-    except importlib.metadata.PackageNotFoundError:
-        return f"cutlass:{cutlass_include_dir()}"
-
-
 def include_dirs() -> list[Path]:
-    dirs = [kernels_dir()]
-    if cutlass_include_dir() is not None:
-        dirs.append(cutlass_include_dir())
-    return dirs
+    return [kernels_dir()]
 
 
 def gencode_flag(arch: str) -> str:
@@ -86,7 +61,7 @@ def gencode_flag(arch: str) -> str:
 def included_headers(code: str, root: Path) -> dict[str, bytes]:
     """Every header under ``root`` that ``code`` includes, directly or transitively, by relative path.
 
-    Headers outside ``root`` (CUDA, CUTLASS, libc++) are keyed by the compiler / package version
+    Headers outside ``root`` (CUDA, libc++) are keyed by the compiler / package version
     instead. Conditional includes are followed too: over-keying is harmless, under-keying is not.
     """
     root = root.resolve()
@@ -123,7 +98,6 @@ def cache_key(code: str, flags: list[str], compiler_identity: str, arch: str, ro
     part("flags", "\0".join(flags).encode())
     part("compiler", compiler_identity.encode())
     part("arch", arch.encode())
-    part("deps", _cutlass_identity().encode())
     return digest.hexdigest()
 
 
@@ -434,6 +408,33 @@ class CacheEntry:
 
     def resources(self) -> list[ResourceUsage]:
         return parse_ptxas_log(self.ptxas_log())
+
+    def exported_u32(self, symbol: str) -> int | None:
+        """The initial value of a 4-byte ``extern "C" __constant__`` symbol of the cubin (a value
+        the kernel source computes for the host, e.g. its dynamic smem bytes), or None."""
+        return cubin_symbol_u32(self.cubin_path.read_bytes(), symbol)
+
+
+def cubin_symbol_u32(elf: bytes, symbol: str) -> int | None:
+    """Little-endian uint32 at ``symbol`` in a 64-bit ELF cubin (from its symbol table and the
+    initialised section that holds it), or None when the cubin has no such symbol."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError(f"cubin_symbol_u32: not a 64-bit ELF file (starts {elf[:5]!r})")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count = struct.unpack_from("<HH", elf, 0x3A)
+    # (name, type, flags, addr, offset, size, link, info, addralign, entsize) per section header
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
+    wanted = symbol.encode()
+    for _, kind, _, _, offset, size, link, _, _, sym_size in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        names = sections[link][4]
+        for at in range(offset, offset + size, sym_size):
+            name, _, _, section, value, length = struct.unpack_from("<IBBHQQ", elf, at)
+            end = elf.index(b"\0", names + name)
+            if elf[names + name:end] == wanted and length == 4 and 0 < section < count:
+                return struct.unpack_from("<I", elf, sections[section][4] + value)[0]
+    return None
 
 
 _key_locks: dict[str, threading.Lock] = {}

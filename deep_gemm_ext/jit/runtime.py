@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 
 import torch
@@ -100,6 +101,10 @@ def _check_dims(label: str, dims) -> tuple[int, int, int]:
     return dims
 
 
+#: The symbol under which a kernel source exports its dynamic shared memory bytes.
+SMEM_SYMBOL = "dge_dynamic_smem_bytes"
+
+
 class Kernel:
     """One compiled ``__global__`` function; loaded into the driver on its first launch."""
 
@@ -122,6 +127,12 @@ class Kernel:
 
     def resources(self) -> list[compiler.ResourceUsage]:
         return self.entry.resources()
+
+    @functools.cached_property
+    def dynamic_smem(self) -> int | None:
+        """The dynamic smem bytes the kernel source exports (DGE_EXPORT_SMEM_BYTES), read from the
+        cubin once; None when it exports none."""
+        return self.entry.exported_u32(SMEM_SYMBOL)
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, {self.entry.path})"

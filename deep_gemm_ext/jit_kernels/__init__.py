@@ -5,6 +5,7 @@ import functools
 
 import torch
 
+from ..jit import select_compiler
 from .gather_combine import combine_rows, combine_slots, gather_rows
 from .routing import routing_metadata
 from .sm90_bf16_grouped_gemm import (Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
@@ -20,8 +21,6 @@ def available(device_index: int) -> bool:
     CUDA compiler (nvcc or NVRTC) to build them."""
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
-    from ..jit import select_compiler
-
     try:
         select_compiler()
     except RuntimeError:

@@ -8,10 +8,10 @@ the operand's natural layout (A [M, K], B [K, N]) and ``t`` for its transpose (A
     k_grouped_bf16_gemm_tn_contiguous(a [P, M], b [P, N])      out[e] = a_e.T @ b_e     wgrad
 
 With ``scatter=Scatter(row_to_slot, T*K, weights)`` the M-grouped GEMMs write each pool row into its
-token's top-k slot of a [T*K, N] output instead (kernels/impls/sm90_bf16_grouped_gemm_combine.cuh):
+token's top-k slot of a [T*K, N] output instead (kernels/epilogue/sm90_scatter_slots.cuh):
 the combine epilogue of the L2 forward (weighted) and the L1 dgrad, reduced by combine_slots.
 
-With the SwiGLU of the layer fused into the epilogue (kernels/impls/sm90_bf16_grouped_gemm_swiglu.cuh):
+With the SwiGLU of the layer fused into the epilogue (kernels/epilogue/sm90_swiglu.cuh):
 
     m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, ...)             -> h, act                L1 forward
     m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool, l2, h, w, ...)  -> dh, d_row_weight, act_w   L2 dgrad
@@ -23,13 +23,14 @@ for experts without rows. ``starts``/``ends`` stay on the device: nothing here s
 """
 from __future__ import annotations
 
-import ctypes
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .. import jit
+from .. import _env, jit
+from ..jit import KernelArg
 from ..routing import TOKEN_GROUP_ALIGNMENT
 from .swiglu import _check_clamp
 
@@ -44,34 +45,69 @@ assert GROUP_ALIGNMENT % _BLOCK_M == 0
 
 _TYPES = {"nt": ("MGroupedContiguous", "K", "K"), "nn": ("MGroupedContiguous", "K", "MN"),
           "tn": ("KGroupedContiguous", "MN", "MN")}
-# Measured on H200 (tests/cuda harness): 128 x 256 tiles with 4 stages beat 128 x 128 with 6
-# stages on every MoE shape; 128-wide tiles only pay off where they pad N less.
-_STAGES = {256: 4, 128: 6}
 
 
-#: Epilogues of the core: (C++ class, header, extra kernel argument types after the two operand maps).
+class Tile(NamedTuple):
+    """A candidate N tile width and the smem ring depth that fits it."""
+    block_n: int
+    stages: int
+
+
+#: Candidates in order of preference. Measured on H200 (tests/cuda harness): 128 x 256 tiles with 4
+#: stages beat 128 x 128 with 6 stages on every MoE shape; 128-wide tiles only pay off where they
+#: pad N less.
+TILES = (Tile(256, 4), Tile(128, 6))
+_STAGES = dict(TILES)
+
+#: The core kernel's arguments before the epilogue's (kernels/impls/sm90_bf16_grouped_gemm.cuh).
+CORE_ARGS = (
+    KernelArg("starts", "const int*"), KernelArg("ends", "const int*"), KernelArg("num_experts", "uint32_t"),
+    KernelArg("shape_m", "uint32_t"), KernelArg("shape_n", "uint32_t"), KernelArg("shape_k", "uint32_t"),
+    KernelArg("gather_row_to_slot", "const int*"), KernelArg("gather_top_k", "uint32_t"),
+    KernelArg("gather_x", "const __nv_bfloat16*"), KernelArg("gather_x_rows", "uint32_t"),
+    KernelArg("tma_a", "CUtensorMap"), KernelArg("tma_b", "CUtensorMap"),
+)
+
+
+class Epilogue(NamedTuple):
+    """An epilogue policy of the core: its C++ class, its header and its kernel arguments."""
+    cpp: str
+    header: str
+    args: tuple[KernelArg, ...]
+
+
+_SCATTER_ARGS = (KernelArg("out", "__nv_bfloat16*"), KernelArg("row_to_slot", "const int*"),
+                 KernelArg("weights", "const float*", nullable=True), KernelArg("num_rows", "uint32_t"),
+                 KernelArg("num_slots", "uint32_t"), KernelArg("out_cols", "uint32_t"))
 _EPILOGUES = {
-    "store": ("dge::gemm::EpilogueStoreBF16", "sm90_bf16_grouped_gemm.cuh", ("CUtensorMap",)),
-    "swiglu_fwd": ("dge::gemm::EpilogueSwigluForward<{clamp}>", "sm90_bf16_grouped_gemm_swiglu.cuh",
-                   ("CUtensorMap", "CUtensorMap", "float")),
-    "swiglu_bwd": ("dge::gemm::EpilogueSwigluBackward<{clamp}>", "sm90_bf16_grouped_gemm_swiglu.cuh",
-                   ("CUtensorMap", "CUtensorMap", "const __nv_bfloat16*", "const float*", "float*", "float",
-                    "uint32_t")),
-    # Combine epilogues: pool rows into their top-k slots of a [T*K, N] output (times the slot's weight).
-    "scatter": ("dge::gemm::EpilogueScatterSlots<false>", "sm90_bf16_grouped_gemm_combine.cuh",
-                ("__nv_bfloat16*", "const int*", "const float*", "uint32_t", "uint32_t", "uint32_t")),
-    "scatter_weighted": ("dge::gemm::EpilogueScatterSlots<true>", "sm90_bf16_grouped_gemm_combine.cuh",
-                         ("__nv_bfloat16*", "const int*", "const float*", "uint32_t", "uint32_t", "uint32_t")),
+    "store": Epilogue("dge::gemm::EpilogueStoreBF16", "epilogue/sm90_store_bf16.cuh",
+                      (KernelArg("tma_c", "CUtensorMap"),)),
+    "swiglu_fwd": Epilogue("dge::gemm::EpilogueSwigluForward<{clamp}>", "epilogue/sm90_swiglu.cuh",
+                           (KernelArg("tma_h", "CUtensorMap"), KernelArg("tma_act", "CUtensorMap"),
+                            KernelArg("clamp", "float"))),
+    "swiglu_bwd": Epilogue("dge::gemm::EpilogueSwigluBackward<{clamp}>", "epilogue/sm90_swiglu.cuh",
+                           (KernelArg("tma_dh", "CUtensorMap"), KernelArg("tma_act_w", "CUtensorMap"),
+                            KernelArg("h", "const __nv_bfloat16*"), KernelArg("row_weight", "const float*"),
+                            KernelArg("partials", "float*"), KernelArg("clamp", "float"),
+                            KernelArg("inter", "uint32_t"))),
+    # Combine epilogues: pool rows into their top-k slots of a [T*K, N] output (times the slot's weight;
+    # the unweighted one never reads `weights`).
+    "scatter": Epilogue("dge::gemm::EpilogueScatterSlots<false>", "epilogue/sm90_scatter_slots.cuh", _SCATTER_ARGS),
+    "scatter_weighted": Epilogue("dge::gemm::EpilogueScatterSlots<true>", "epilogue/sm90_scatter_slots.cuh",
+                                 _SCATTER_ARGS),
 }
 
 
-#: Gathering prologues: None (A is a pool), 1-row TMA boxes, or cp.async by the producer warpgroup.
-_GATHER_MODES = {None: "None", "tma": "TmaRows", "cp_async": "CpAsync"}
+#: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool),
+#: 1-row TMA boxes, or cp.async by the producer warpgroup (of A, or with gather_b of B).
+_LOADERS = {None: "dge::gemm::LoaderTma", "tma": "dge::gemm::LoaderGatherTmaRows",
+            "cp_async": "dge::gemm::LoaderGatherCpAsyncA"}
 GATHER_MODES = ("tma", "cp_async")
 
 
 @dataclass(frozen=True)
 class GemmConfig:
+    """One instantiation of the core: layout, N tile, epilogue and loader (stages follow block_n)."""
     layout: str         # "nt", "nn" or "tn"
     block_n: int
     paired_n: bool = False
@@ -97,24 +133,45 @@ class GemmConfig:
             name += "_gatherb_cpasync"
         return name
 
-    def smem_bytes(self) -> int:
-        """Dynamic smem of the launch: SmemLayout<BLOCK_N, kNumStages, Epilogue>::kTotalBytes (every
-        epilogue stages its output through two 64x64 bf16 buffers per consumer warpgroup)."""
-        stage = _BLOCK_M * _BLOCK_K * 2 + self.block_n * _BLOCK_K * 2
-        epilogue = 2 * 2 * 64 * 64 * 2  # two warpgroups x two 64x64 bf16 staging buffers
-        barriers = -(-(self.stages * stage + epilogue) // 1024) * 1024
-        return barriers + 2 * self.stages * 8 + 1024
+    @property
+    def args(self) -> tuple[KernelArg, ...]:
+        """The kernel's arguments: the core's, then the epilogue's."""
+        return CORE_ARGS + _EPILOGUES[self.epilogue].args
 
     def code(self) -> str:
         gemm_type, major_a, major_b = _TYPES[self.layout]
-        epilogue, header, epi_args = _EPILOGUES[self.epilogue]
-        epilogue = epilogue.format(clamp="true" if self.clamp else "false")
-        return (f"#include <impls/{header}>\n"
-                "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_bf16_grouped_gemm_kernel<\n"
-                f"    dge::sched::GroupedGemmType::{gemm_type}, dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
-                f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M},\n"
-                f"    dge::gemm::GatherA::{_GATHER_MODES[self.gather_a]}, {'true' if self.gather_b else 'false'},\n"
-                f"    {epilogue}, {', '.join(epi_args)}>);\n")
+        epilogue = _EPILOGUES[self.epilogue]
+        epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
+        loader = "dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _LOADERS[self.gather_a]
+        return (f"#include <{epilogue.header}>\n"
+                "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
+                f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
+                f"dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
+                f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M}>;\n"
+                f"using Epilogue = {epilogue_cpp};\n"
+                "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
+                "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_grouped_gemm_kernel<\n"
+                f"    Traits, {loader}, dge::gemm::MainloopBF16, Epilogue, {jit.render_types(epilogue.args)}>);\n")
+
+    def kernel(self) -> jit.Kernel:
+        return jit.build(self.name, self.code())
+
+    def smem_bytes(self) -> int:
+        """Dynamic smem of the launch, as the kernel source computes it (SmemLayout::kTotalBytes,
+        exported into the cubin): the layout arithmetic lives in C++ only."""
+        smem = self.kernel().dynamic_smem
+        if smem is None:
+            raise RuntimeError(f"{self.name}: the cubin exports no {jit.SMEM_SYMBOL}")
+        return smem
+
+
+def select_tile(n: int, *, divides: bool = False, widths: tuple[int, ...] | None = None) -> Tile:
+    """The candidate tile for N columns: the one that pads N least, ties going to the earlier
+    (preferred) candidate. ``divides``: only tiles whose width divides N; ``widths``: only these."""
+    candidates = [t for t in TILES if (widths is None or t.block_n in widths) and (not divides or n % t.block_n == 0)]
+    if not candidates:
+        raise ValueError(f"N={n}: no tile of {[t.block_n for t in TILES]} fits (divides={divides}, widths={widths})")
+    return min(candidates, key=lambda t: -(-n // t.block_n) * t.block_n)
 
 
 def _all_configs() -> list[GemmConfig]:
@@ -139,12 +196,16 @@ def _all_configs() -> list[GemmConfig]:
 
 @jit.register("sm90_bf16_grouped_gemm")
 def configs():
-    return [(c.name, c.code(), True, c.smem_bytes()) for c in _all_configs()]
+    return [(c.name, c.code(), True) for c in _all_configs()]
 
 
 _ROW_WEIGHT_GRAD_THREADS = 256
+_ROW_WEIGHT_GRAD_ARGS = (KernelArg("partials", "const float*"), KernelArg("starts", "const int*"),
+                         KernelArg("ends", "const int*"), KernelArg("num_experts", "uint32_t"),
+                         KernelArg("num_rows", "uint32_t"), KernelArg("num_parts", "uint32_t"),
+                         KernelArg("d_row_weight", "float*"))
 _ROW_WEIGHT_GRAD = ("sm90_swiglu_row_weight_grad",
-                    ("#include <impls/sm90_bf16_grouped_gemm_swiglu.cuh>\n"
+                    ("#include <impls/sm90_swiglu_row_weight_grad.cuh>\n"
                      "static void* __instantiate = reinterpret_cast<void*>(\n"
                      f"    &dge::gemm::swiglu_row_weight_grad_kernel<{_ROW_WEIGHT_GRAD_THREADS}>);\n"))
 
@@ -152,12 +213,6 @@ _ROW_WEIGHT_GRAD = ("sm90_swiglu_row_weight_grad",
 @jit.register("sm90_swiglu_row_weight_grad")
 def row_weight_grad_configs():
     return [(*_ROW_WEIGHT_GRAD, False)]
-
-
-def _pick_block_n(n: int) -> int:
-    """256 unless 128-wide tiles pad N less (e.g. N = 384)."""
-    return 128 if -(-n // 128) * 128 < -(-n // 256) * 256 else 256
-
 
 # -- checks -----------------------------------------------------------------------------------------------
 
@@ -294,23 +349,28 @@ def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
     return gather.row_to_slot.shape[0]
 
 
-def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: tuple, starts, ends,
+def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: dict, starts, ends,
             shape_m: int, shape_n: int, shape_k: int, max_tiles: int, gather: Gather | None = None,
             gather_src: torch.Tensor | None = None) -> None:
-    """``epi_args``: the epilogue's kernel arguments (for the store epilogue, the output's tensor map).
+    """``epi_args``: the epilogue's kernel arguments by name (config.args declares them).
     With ``gather``, ``gather_src`` (default ``a``) is the token matrix whose rows are gathered."""
-    kernel = jit.build(config.name, config.code())
+    kernel = config.kernel()
     a_map = jit.make_tma_2d(a, 1, 64) if config.gather_a == "tma" else jit.make_tma_2d(a, 64, 64)
     grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
     if gather is not None:
         src = a if gather_src is None else gather_src
-        gather_args = (gather.row_to_slot, ctypes.c_uint32(gather.top_k), src, ctypes.c_uint32(src.shape[0]))
-    else:
-        gather_args = (starts, ctypes.c_uint32(1), starts, ctypes.c_uint32(0))
-    kernel.launch(grid, (_THREADS, 1, 1),
-                  (starts, ends, ctypes.c_uint32(starts.shape[0]), ctypes.c_uint32(shape_m),
-                   ctypes.c_uint32(shape_n), ctypes.c_uint32(shape_k), *gather_args, a_map, b_map, *epi_args),
-                  smem=config.smem_bytes())
+        gather_args = dict(gather_row_to_slot=gather.row_to_slot, gather_top_k=gather.top_k, gather_x=src,
+                           gather_x_rows=src.shape[0])
+    else:  # placeholders: LoaderTma reads none of them
+        gather_args = dict(gather_row_to_slot=starts, gather_top_k=1, gather_x=a, gather_x_rows=0)
+    smem = config.smem_bytes()
+    if _env.print_configs():
+        print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
+              f"stages={config.stages} grid={grid[0]} tiles<={max_tiles} smem={smem}", file=sys.stderr, flush=True)
+    args = jit.pack_args(config.name, config.args, starts=starts, ends=ends, num_experts=starts.shape[0],
+                         shape_m=shape_m, shape_n=shape_n, shape_k=shape_k, **gather_args, tma_a=a_map,
+                         tma_b=b_map, **epi_args)
+    kernel.launch(grid, (_THREADS, 1, 1), args, smem=smem)
 
 
 def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None, *, cp_async_only: bool = False):
@@ -355,9 +415,9 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     _check_multiple("N", n, 8, "16-byte rows for TMA")
     if layout == "nn":
         _check_multiple("K", k, _BLOCK_K, "an [E, K, N] weight is read in K blocks that must not cross experts")
-    block_n = 256 if paired_n else _pick_block_n(n)
     if paired_n:
-        _check_multiple("N", n, block_n, "paired N tiling pairs columns j and N/2 + j in 256-wide tiles")
+        _check_multiple("N", n, 256, "paired N tiling pairs columns j and N/2 + j in 256-wide tiles")
+    block_n = select_tile(n, widths=(256,) if paired_n else None).block_n
     if rows == 0 or num_experts == 0 or n == 0:
         return out
     if k == 0:
@@ -371,12 +431,11 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
         num_n_blocks = n // block_n if paired_n else -(-n // block_n)
         if scatter is None:
-            epi_args = (jit.make_tma_2d(out, 64, 64),)
+            epi_args = dict(tma_c=jit.make_tma_2d(out, 64, 64))
         else:
-            # A null pointer stands for "no weights": the unweighted epilogue never reads it.
-            weights = scatter.weights.contiguous() if scatter.weights is not None else ctypes.c_uint64(0)
-            epi_args = (out, scatter.row_to_slot, weights, ctypes.c_uint32(rows), ctypes.c_uint32(scatter.num_slots),
-                        ctypes.c_uint32(n))
+            weights = scatter.weights.contiguous() if scatter.weights is not None else None
+            epi_args = dict(out=out, row_to_slot=scatter.row_to_slot, weights=weights, num_rows=rows,
+                            num_slots=scatter.num_slots, out_cols=n)
         _launch(config, a, b_map, epi_args, starts, ends, rows, n, k, -(-rows // _BLOCK_M) * num_n_blocks, gather)
     return out
 
@@ -443,13 +502,14 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
         return out
     if rows == 0:
         return out.zero_()
-    block_n = _pick_block_n(n)
+    block_n = select_tile(n).block_n
     config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
                         gather_b=gather_b is not None)
     a = _gather_operand("a", a, gather_a, cp_async_only=True)
     b = _gather_operand("b", b, gather_b, cp_async_only=True)
     with jit.device_guard(a):
-        _launch(config, a, jit.make_tma_2d(b, 64, 64), (jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n),),
+        _launch(config, a, jit.make_tma_2d(b, 64, 64), dict(tma_c=jit.make_tma_2d(out, 64, 64, rows=num_experts * m,
+                                                                                  cols=n)),
                 starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n), gather,
                 gather_src=b if gather_b is not None else a)
     return out
@@ -504,7 +564,7 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
                         gather_a=gather.mode if gather is not None else None)
     with jit.device_guard(x_pool):
         b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
-        epi_args = (jit.make_tma_2d(h, 64, 64), jit.make_tma_2d(act, 64, 64), ctypes.c_float(c))
+        epi_args = dict(tma_h=jit.make_tma_2d(h, 64, 64), tma_act=jit.make_tma_2d(act, 64, 64), clamp=c)
         _launch(config, x_pool, b_map, epi_args, starts, ends, rows, two_inter, hidden,
                 -(-rows // _BLOCK_M) * (two_inter // config.block_n), gather)
     return h, act
@@ -523,7 +583,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     row_weight [P] fp32 (the top-k weight of each pool row, 0 on padding rows). Per pool row r of
     expert e, with ``da' = dy_pool[r] @ l2[e]`` kept in fp32 (never rounded to bf16) and act
     recomputed in fp32 from h exactly as swiglu_backward does:
-    ``dh = bf16(SwiGLU backward of w * da')`` (clamp masks as in unfused.swiglu_backward),
+    ``dh = bf16(SwiGLU backward of w * da')`` (clamp masks as in elementwise.swiglu_backward),
     ``act_w = bf16(w * act)``, ``d_row_weight = <da', act>`` summed in fp32 in a fixed order
     (deterministic: per-tile partials, then the tiles in column order). dh and act_w rows no expert
     owns are left unwritten; their d_row_weight is 0. ``block_n`` (128 or 256, default 256 where I
@@ -548,8 +608,8 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
                          f"{SWIGLU_INTERMEDIATE_ALIGNMENT} (N tiles of 128 or 256 columns must not straddle I)")
     _check_multiple("H", hidden, _BLOCK_K, "an [E, H, I] weight is read in K blocks that must not cross experts")
     if block_n is None:
-        block_n = 256 if inter % 256 == 0 else 128
-    elif block_n not in (128, 256) or inter % block_n:
+        block_n = select_tile(inter, divides=True).block_n
+    elif block_n not in _STAGES or inter % block_n:
         raise ValueError(f"block_n={block_n!r}: expected 128 or 256 dividing I={inter}")
     device = dy_pool.device
     dh = _check_out(dh_out, (rows, 2 * inter), device, label="dh_out")
@@ -568,13 +628,13 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
                         gather_a="cp_async" if gather is not None else None)
     with jit.device_guard(dy_pool):
         b_map = jit.make_tma_2d(l2, 64, 64, rows=num_experts * hidden, cols=inter)
-        epi_args = (jit.make_tma_2d(dh, 64, 64), jit.make_tma_2d(act_w, 64, 64), h, row_weight, partials,
-                    ctypes.c_float(c), ctypes.c_uint32(inter))
+        epi_args = dict(tma_dh=jit.make_tma_2d(dh, 64, 64), tma_act_w=jit.make_tma_2d(act_w, 64, 64), h=h,
+                        row_weight=row_weight, partials=partials, clamp=c, inter=inter)
         _launch(config, dy_pool, b_map, epi_args, starts, ends, rows, inter, hidden,
                 -(-rows // _BLOCK_M) * num_parts, gather)
         grid = (max(1, min(-(-rows // _ROW_WEIGHT_GRAD_THREADS), 8 * jit.num_sms(device))), 1, 1)
         jit.build(*_ROW_WEIGHT_GRAD).launch(
             grid, (_ROW_WEIGHT_GRAD_THREADS, 1, 1),
-            (partials, starts, ends, ctypes.c_uint32(num_experts), ctypes.c_uint32(rows), ctypes.c_uint32(num_parts),
-             d_row_weight))
+            jit.pack_args(_ROW_WEIGHT_GRAD[0], _ROW_WEIGHT_GRAD_ARGS, partials=partials, starts=starts, ends=ends,
+                          num_experts=num_experts, num_rows=rows, num_parts=num_parts, d_row_weight=d_row_weight))
     return dh, d_row_weight, act_w

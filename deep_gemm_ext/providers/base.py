@@ -58,6 +58,8 @@ class GemmProvider:
 
     #: Rows per expert group the provider needs (the pool's padding).
     row_alignment: int = 1
+    #: Names of the recipes whose operands the GEMMs take.
+    recipes: tuple[str, ...] = ("bf16",)
     #: The M-grouped GEMM takes a :class:`Gather` operand.
     gathers: bool = False
 

@@ -31,19 +31,15 @@ SM100 (Blackwell): :func:`mega_moe_forward_sm100` calls upstream's fused ``bf16_
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
+# The fp8 recipe's quantizers and weight copies live in recipes/fp8.py; these names stay for callers.
+from ..recipes.fp8 import FP8_BLOCK, WEIGHT_CACHE, Fp8ExpertWeights
+from ..recipes.fp8 import quantize_cols as quantize_cols_fp8
+from ..recipes.fp8 import quantize_rows as quantize_rows_fp8
 from ..routing import RoutingMeta
 from .base import GemmProvider
-
-#: Rows and columns covered by one fp8 scale (1x128 activations, 128x128 weights).
-FP8_BLOCK = 128
-_FP8_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(_FP8_DTYPE).max
-#: Smallest amax a scale is derived from, so all-zero blocks get a finite scale.
-_AMAX_FLOOR = 1e-4
 
 _INSTALL_HINT = (
     "DeepGEMM is not importable in this process ({error}). The deep_gemm backend needs upstream "
@@ -99,57 +95,6 @@ def unsupported_shape_reason(hidden: int, intermediate: int, recipe) -> str | No
         if value <= 0 or value % multiple:
             return f"{name}={value} must be a positive multiple of {multiple} for recipe={recipe.name!r}"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# fp8 quantization (torch ops; the layouts DeepGEMM's SM90 kernels read).
-
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, K / 128]``), one scale per row and 128 columns."""
-    m, k = x.shape
-    blocks = x.reshape(m, k // FP8_BLOCK, FP8_BLOCK).float()
-    scale = blocks.abs().amax(dim=2).clamp(min=_AMAX_FLOOR) / _FP8_MAX
-    data = (blocks / scale.unsqueeze(2)).to(_FP8_DTYPE).reshape(m, k)
-    return data, scale
-
-
-def quantize_cols_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R, M]`` (R a multiple of 128) -> (e4m3 ``[R, M]``, fp32 ``[R / 128, M]``): scales along rows."""
-    r, m = x.shape
-    blocks = x.reshape(r // FP8_BLOCK, FP8_BLOCK, m).float()
-    scale = blocks.abs().amax(dim=1).clamp(min=_AMAX_FLOOR) / _FP8_MAX
-    data = (blocks / scale.unsqueeze(1)).to(_FP8_DTYPE).reshape(r, m)
-    return data, scale
-
-
-@dataclass
-class Fp8ExpertWeights:
-    """Expert weights ``[E, N, K]`` in 128x128-block fp8, in both K-major orientations.
-
-    ``nk`` serves ``a @ W[e]^T`` (forward), ``kn`` serves ``a @ W[e]`` (data gradient). A 128x128
-    block transposes exactly (data and scale grid), so ``kn`` adds no quantization error. Build it
-    once per weight version, not per call.
-    """
-
-    nk: tuple[torch.Tensor, torch.Tensor]
-    kn: tuple[torch.Tensor, torch.Tensor]
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.nk[0].shape
-
-    @classmethod
-    def from_bf16(cls, w: torch.Tensor) -> "Fp8ExpertWeights":
-        if w.dim() != 3 or w.shape[1] % FP8_BLOCK or w.shape[2] % FP8_BLOCK:
-            raise ValueError(f"expert weights must be [E, N, K] with N and K multiples of {FP8_BLOCK} "
-                             f"for fp8, got shape {tuple(w.shape)}")
-        e, n, k = w.shape
-        blocks = w.reshape(e, n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK).float()
-        scale = blocks.abs().amax(dim=(2, 4)).clamp(min=_AMAX_FLOOR) / _FP8_MAX
-        data = (blocks / scale[:, :, None, :, None]).to(_FP8_DTYPE).reshape(e, n, k)
-        return cls(nk=(data, scale),
-                   kn=(data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()))
 
 
 def group_transpose(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -212,7 +157,7 @@ def _weights(name: str, w, fp8: bool, num_experts: int, k: int, k_dim: int):
         raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {num_experts} experts (the routing's) and "
                          f"{k} in dimension {k_dim} (the operand's contraction size)")
     if fp8 and isinstance(w, torch.Tensor):
-        return Fp8ExpertWeights.from_bf16(w)
+        return WEIGHT_CACHE.get(w)  # quantized once per weight version
     return w.contiguous() if isinstance(w, torch.Tensor) else w
 
 
@@ -238,6 +183,7 @@ class DeepGemmProvider(GemmProvider):
     """Upstream's ``m_grouped_{bf16,fp8}_gemm_*_contiguous`` and ``k_grouped_*`` GEMMs."""
 
     row_alignment = 128
+    recipes = ("bf16", "fp8")
 
     is_available = staticmethod(is_available)
     require = staticmethod(require)
@@ -276,7 +222,7 @@ class DeepGemmProvider(GemmProvider):
         a, b = a[:rows], b[:rows]
         d = torch.zeros(len(ks), a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
         layout = torch.tensor(ks, dtype=torch.int32, device=a.device)
-        if not recipe.fp8:
+        if not recipe.fp8 or recipe.wgrad == "bf16":
             dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, layout, d)
             return d
         (aq, a_scale), (bq, b_scale) = quantize_cols_fp8(a), quantize_cols_fp8(b)

@@ -1,6 +1,11 @@
 #pragma once
-// Warpgroup MMA (wgmma, sm_90a). The operand lists are spelled out because inline asm cannot take
-// a parameter pack; one function per N the GEMM core uses.
+// Warpgroup MMA (wgmma, sm_90a).
+//
+// Inline asm cannot take a parameter pack, so the accumulator operand lists ("%0, %1, ...", and
+// "+f"(d[0]), ...) and the operand numbers after them are generated here by the preprocessor from
+// the decimal digits of the register count R = 10 T + U (T, U single tokens; T empty below 10), for
+// every R that is a multiple of 4 up to 128: an m64nNk16 shape with fp32 accumulators has R = N / 2.
+// A new shape (e.g. the e4m3 wgmma of N = 8..256) is one DGE_DEFINE_* line.
 
 #include <cstdint>
 
@@ -27,68 +32,127 @@ __device__ __forceinline__ void fence_operand(float& reg) {
     asm volatile("" : "+f"(reg) :: "memory");
 }
 
-// D[64 x 128] (+)= A[64 x 16] * B[16 x 128], fp32 accumulators, bf16 operands from smem descriptors.
-template <uint32_t kTransA, uint32_t kTransB>
-__device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                        uint32_t scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %67, %68;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
-}
+}  // namespace dge::ptx
 
-// D[64 x 256] (+)= A[64 x 16] * B[16 x 256], fp32 accumulators, bf16 operands from smem descriptors.
-template <uint32_t kTransA, uint32_t kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                        uint32_t scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, %131, %132;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
-}
+// -- operand-list generator ------------------------------------------------------------------------
+
+#define DGE_PP_CAT_(a, b) a##b
+#define DGE_PP_CAT(a, b) DGE_PP_CAT_(a, b)
+#define DGE_PP_STR_(x) #x
+#define DGE_PP_STR(x) DGE_PP_STR_(x)
+#define DGE_PP_COMMA() ,
+#define DGE_PP_STR_COMMA() ", "
+
+// Item (t, 0), preceded by the separator S() unless it is the very first item (t empty).
+#define DGE_PP_FIRST_(I, S) I(, 0)
+#define DGE_PP_FIRST_1(I, S) S() I(1, 0)
+#define DGE_PP_FIRST_2(I, S) S() I(2, 0)
+#define DGE_PP_FIRST_3(I, S) S() I(3, 0)
+#define DGE_PP_FIRST_4(I, S) S() I(4, 0)
+#define DGE_PP_FIRST_5(I, S) S() I(5, 0)
+#define DGE_PP_FIRST_6(I, S) S() I(6, 0)
+#define DGE_PP_FIRST_7(I, S) S() I(7, 0)
+#define DGE_PP_FIRST_8(I, S) S() I(8, 0)
+#define DGE_PP_FIRST_9(I, S) S() I(9, 0)
+#define DGE_PP_FIRST_10(I, S) S() I(10, 0)
+#define DGE_PP_FIRST_11(I, S) S() I(11, 0)
+#define DGE_PP_FIRST_12(I, S) S() I(12, 0)
+// Items (t, 0) .. (t, 9), and the first 10 T items.
+#define DGE_PP_FIRST(t) DGE_PP_FIRST_X(t)
+#define DGE_PP_FIRST_X(t) DGE_PP_FIRST_##t
+#define DGE_PP_ROW(I, S, t) DGE_PP_FIRST(t)(I, S) S() I(t, 1) S() I(t, 2) S() I(t, 3) S() I(t, 4) \
+    S() I(t, 5) S() I(t, 6) S() I(t, 7) S() I(t, 8) S() I(t, 9)
+#define DGE_PP_ROWS_(I, S)
+#define DGE_PP_ROWS_1(I, S) DGE_PP_ROW(I, S, )
+#define DGE_PP_ROWS_2(I, S) DGE_PP_ROWS_1(I, S) DGE_PP_ROW(I, S, 1)
+#define DGE_PP_ROWS_3(I, S) DGE_PP_ROWS_2(I, S) DGE_PP_ROW(I, S, 2)
+#define DGE_PP_ROWS_4(I, S) DGE_PP_ROWS_3(I, S) DGE_PP_ROW(I, S, 3)
+#define DGE_PP_ROWS_5(I, S) DGE_PP_ROWS_4(I, S) DGE_PP_ROW(I, S, 4)
+#define DGE_PP_ROWS_6(I, S) DGE_PP_ROWS_5(I, S) DGE_PP_ROW(I, S, 5)
+#define DGE_PP_ROWS_7(I, S) DGE_PP_ROWS_6(I, S) DGE_PP_ROW(I, S, 6)
+#define DGE_PP_ROWS_8(I, S) DGE_PP_ROWS_7(I, S) DGE_PP_ROW(I, S, 7)
+#define DGE_PP_ROWS_9(I, S) DGE_PP_ROWS_8(I, S) DGE_PP_ROW(I, S, 8)
+#define DGE_PP_ROWS_10(I, S) DGE_PP_ROWS_9(I, S) DGE_PP_ROW(I, S, 9)
+#define DGE_PP_ROWS_11(I, S) DGE_PP_ROWS_10(I, S) DGE_PP_ROW(I, S, 10)
+#define DGE_PP_ROWS_12(I, S) DGE_PP_ROWS_11(I, S) DGE_PP_ROW(I, S, 11)
+// Items (t, 0) .. (t, U - 1) for even U.
+#define DGE_PP_PART_0(I, S, t)
+#define DGE_PP_PART_2(I, S, t) DGE_PP_FIRST(t)(I, S) S() I(t, 1)
+#define DGE_PP_PART_4(I, S, t) DGE_PP_PART_2(I, S, t) S() I(t, 2) S() I(t, 3)
+#define DGE_PP_PART_6(I, S, t) DGE_PP_PART_4(I, S, t) S() I(t, 4) S() I(t, 5)
+#define DGE_PP_PART_8(I, S, t) DGE_PP_PART_6(I, S, t) S() I(t, 6) S() I(t, 7)
+// Items 0 .. 10 T + U - 1 (item (t, u) is number 10 t + u), separated by S().
+// (Each dispatch pastes with its own macro: a macro is not expanded again inside its own expansion.)
+#define DGE_PP_ROWS(T) DGE_PP_ROWS_X(T)
+#define DGE_PP_ROWS_X(T) DGE_PP_ROWS_##T
+#define DGE_PP_PART(U) DGE_PP_PART_X(U)
+#define DGE_PP_PART_X(U) DGE_PP_PART_##U
+#define DGE_PP_LIST(I, S, T, U) DGE_PP_ROWS(T)(I, S) DGE_PP_PART(U)(I, S, T)
+
+// Tens token + 1, and the five operand numbers R .. R + 4 after R = 10 T + U accumulators, passed
+// to F after the arguments X and L.
+#define DGE_PP_INC(t) DGE_PP_INC_X(t)
+#define DGE_PP_INC_X(t) DGE_PP_INC_##t
+#define DGE_PP_INC_ 1
+#define DGE_PP_INC_1 2
+#define DGE_PP_INC_2 3
+#define DGE_PP_INC_3 4
+#define DGE_PP_INC_4 5
+#define DGE_PP_INC_5 6
+#define DGE_PP_INC_6 7
+#define DGE_PP_INC_7 8
+#define DGE_PP_INC_8 9
+#define DGE_PP_INC_9 10
+#define DGE_PP_INC_10 11
+#define DGE_PP_INC_11 12
+#define DGE_PP_INC_12 13
+#define DGE_ASM_OPERAND(t, u) "%" DGE_PP_STR(DGE_PP_CAT(t, u))
+#define DGE_PP_TAIL_0(F, X, L, t, t1) F(X, L, DGE_ASM_OPERAND(t, 0), DGE_ASM_OPERAND(t, 1), DGE_ASM_OPERAND(t, 2), \
+                                        DGE_ASM_OPERAND(t, 3), DGE_ASM_OPERAND(t, 4))
+#define DGE_PP_TAIL_2(F, X, L, t, t1) F(X, L, DGE_ASM_OPERAND(t, 2), DGE_ASM_OPERAND(t, 3), DGE_ASM_OPERAND(t, 4), \
+                                        DGE_ASM_OPERAND(t, 5), DGE_ASM_OPERAND(t, 6))
+#define DGE_PP_TAIL_4(F, X, L, t, t1) F(X, L, DGE_ASM_OPERAND(t, 4), DGE_ASM_OPERAND(t, 5), DGE_ASM_OPERAND(t, 6), \
+                                        DGE_ASM_OPERAND(t, 7), DGE_ASM_OPERAND(t, 8))
+#define DGE_PP_TAIL_6(F, X, L, t, t1) F(X, L, DGE_ASM_OPERAND(t, 6), DGE_ASM_OPERAND(t, 7), DGE_ASM_OPERAND(t, 8), \
+                                        DGE_ASM_OPERAND(t, 9), DGE_ASM_OPERAND(t1, 0))
+#define DGE_PP_TAIL_8(F, X, L, t, t1) F(X, L, DGE_ASM_OPERAND(t, 8), DGE_ASM_OPERAND(t, 9), DGE_ASM_OPERAND(t1, 0), \
+                                        DGE_ASM_OPERAND(t1, 1), DGE_ASM_OPERAND(t1, 2))
+#define DGE_PP_TAIL_X(U) DGE_PP_TAIL_##U
+#define DGE_PP_TAIL(F, X, T, U) \
+    DGE_PP_TAIL_X(U)(F, X, DGE_PP_LIST(DGE_ASM_OPERAND, DGE_PP_STR_COMMA, T, U), T, DGE_PP_INC(T))
+
+// "+f"(d[10 t + u]): the read-write accumulator operands.
+#define DGE_WGMMA_ACC(t, u) "+f"(d[DGE_PP_CAT(t, u)])
+
+// -- instructions ------------------------------------------------------------------------------------
+
+namespace dge::ptx {
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], fp32 accumulators, bf16 operands from smem descriptors;
+// kTransA / kTransB select MN-major operands. Defined for the N listed below.
+template <uint32_t N, uint32_t kTransA, uint32_t kTransB>
+struct WgmmaBF16SS;
+
+// Operands: accumulators, desc_a, desc_b, scale_d (D is overwritten when 0), then the two transpose
+// immediates.
+#define DGE_WGMMA_BF16_SS_TEXT(N, L, a, b, s, ta, tb)                                          \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " s ", 0;\n"                                              \
+    "wgmma.mma_async.sync.aligned.m64n" DGE_PP_STR(N) "k16.f32.bf16.bf16 {" L "}, " a ", " b \
+    ", p, 1, 1, " ta ", " tb ";\n}\n"
+// N with R = N / 2 = 10 T + U accumulators per thread.
+#define DGE_DEFINE_WGMMA_BF16_SS(N, T, U)                                                                    \
+    template <uint32_t kTransA, uint32_t kTransB>                                                            \
+    struct WgmmaBF16SS<N, kTransA, kTransB> {                                                                \
+        static_assert(10 * (T + 0) + U == N / 2, "DGE_DEFINE_WGMMA_BF16_SS: T, U must be the digits of N/2"); \
+        __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,      \
+                                                   uint32_t scale_d) {                                       \
+            asm volatile(DGE_PP_TAIL(DGE_WGMMA_BF16_SS_TEXT, N, T, U)                                        \
+                         : DGE_PP_LIST(DGE_WGMMA_ACC, DGE_PP_COMMA, T, U)                                    \
+                         : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));              \
+        }                                                                                                    \
+    };
+
+DGE_DEFINE_WGMMA_BF16_SS(128, 6, 4)
+DGE_DEFINE_WGMMA_BF16_SS(256, 12, 8)
 
 }  // namespace dge::ptx

@@ -336,9 +336,9 @@ struct Config {
     // host side; the untyped launch API takes the symbol as const void*.
     static const void* kernel() {
         return reinterpret_cast<const void*>(
-            &dge::gemm::sm90_bf16_grouped_gemm_kernel<kType, kMajorA, kMajorB, BLOCK_N, kStages, kClusterN_, kPairedN_,
-                                                      kGroupM, dge::gemm::GatherA::None, false, EpilogueStoreBF16,
-                                                      CUtensorMap>);
+            &dge::gemm::sm90_grouped_gemm_kernel<
+                dge::gemm::GemmTraits<kType, kMajorA, kMajorB, BLOCK_N, kStages, kClusterN_, kPairedN_, kGroupM>,
+                dge::gemm::LoaderTma, dge::gemm::MainloopBF16, EpilogueStoreBF16, CUtensorMap>);
     }
     static constexpr uint32_t kSmem = SmemLayout<BLOCK_N, kStages, EpilogueStoreBF16>::kTotalBytes;
 

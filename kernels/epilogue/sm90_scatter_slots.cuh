@@ -1,5 +1,5 @@
 #pragma once
-// Combine epilogue of the SM90 bf16 grouped GEMM core (impls/sm90_bf16_grouped_gemm.cuh): the GEMMs
+// Combine epilogue policy of the SM90 grouped GEMM core (impls/sm90_bf16_grouped_gemm.cuh): the GEMMs
 // whose output is summed over each token's top-k rows (the L2 forward into y, the L1 dgrad into dx)
 // write every pool row r straight into its token's top-k slot, out[row_to_slot[r]] of a slot-ordered
 // [T*K, N] matrix, so the reduction that follows (combine_rows_kernel<.., kSlotOrder = true>) reads
@@ -16,7 +16,10 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
-#include <impls/sm90_bf16_grouped_gemm.cuh>
+#include <common/sm90_utils.cuh>
+#include <epilogue/sm90_store_bf16.cuh>
+#include <ptx/ld_st.cuh>
+#include <ptx/sync.cuh>
 
 namespace dge::gemm {
 

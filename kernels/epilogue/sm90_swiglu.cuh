@@ -1,13 +1,13 @@
 #pragma once
-// SwiGLU epilogues of the SM90 bf16 grouped GEMM core (impls/sm90_bf16_grouped_gemm.cuh), so that the
-// elementwise pass of each direction reads no GEMM output back from memory:
+// SwiGLU epilogue policies of the SM90 grouped GEMM core (impls/sm90_bf16_grouped_gemm.cuh), so that
+// the elementwise pass of each direction reads no GEMM output back from memory:
 //
 //   EpilogueSwigluForward   L1 forward, paired N tiles: h = bf16(acc) and act = SwiGLU(h) from the
 //                           rounded h, the same fp32 math as swiglu_forward_kernel (bit-identical act).
 //   EpilogueSwigluBackward  L2 dgrad: acc = da' (fp32, unweighted); loads h, writes dh = SwiGLU
 //                           backward of w * da', act_w = w * act and per-row partial <da', act> of
 //                           the tile's columns into partials [P, I / BLOCK_N].
-//   swiglu_row_weight_grad_kernel  d_row_weight = sum of the partials, in column-tile order.
+// impls/sm90_swiglu_row_weight_grad.cuh then sums the partials into d_row_weight.
 //
 // The element math is swiglu.cuh's (clamp_gate, clamp_up, sigmoid), written in the same expression
 // order as its kernels.
@@ -16,8 +16,10 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <impls/sm90_bf16_grouped_gemm.cuh>
+#include <common/sm90_utils.cuh>
+#include <epilogue/sm90_store_bf16.cuh>
 #include <impls/swiglu.cuh>
+#include <ptx/ld_st.cuh>
 
 namespace dge::gemm {
 
@@ -189,24 +191,5 @@ private:
         aw = w * a;
     }
 };
-
-// d_row_weight[r] = partials[r, 0] + partials[r, 1] + ... (in that order) for the pool rows an expert
-// owns, 0 for the others (whose partials no tile wrote). A template so that only the source that
-// instantiates it emits it (each JIT source holds exactly one kernel).
-template <uint32_t kNumThreads>
-__global__ void __launch_bounds__(kNumThreads)
-swiglu_row_weight_grad_kernel(const float* __restrict__ partials, const int* __restrict__ starts,
-                              const int* __restrict__ ends, uint32_t num_experts, uint32_t num_rows,
-                              uint32_t num_parts, float* __restrict__ d_row_weight) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    for (uint32_t row = blockIdx.x * blockDim.x + threadIdx.x; row < num_rows; row += gridDim.x * blockDim.x) {
-        float sum = 0.0f;
-        if (sched::owning_expert(starts, ends, num_experts, row) < num_experts) {
-            for (uint32_t j = 0; j < num_parts; ++j)
-                sum += partials[static_cast<uint64_t>(row) * num_parts + j];
-        }
-        d_row_weight[row] = sum;
-    }
-}
 
 }  // namespace dge::gemm

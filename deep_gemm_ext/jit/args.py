@@ -1,0 +1,77 @@
+"""Typed kernel-argument lists: one declaration renders a template's argument types and checks and
+packs the host launch tuple, so the two cannot drift apart.
+
+    EPI = (KernelArg("out", "__nv_bfloat16*"), KernelArg("num_rows", "uint32_t"))
+    render_types(EPI)                              -> "__nv_bfloat16*, uint32_t"
+    pack_args("kernel", EPI, out=t, num_rows=5)    -> (t, c_uint32(5))
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from .tma import TensorMap
+
+#: Pointer types and the tensor dtype each one takes.
+_POINTER_DTYPES = {
+    "const int*": torch.int32, "int*": torch.int32,
+    "const float*": torch.float32, "float*": torch.float32,
+    "const __nv_bfloat16*": torch.bfloat16, "__nv_bfloat16*": torch.bfloat16,
+}
+_SCALARS = {"uint32_t": ctypes.c_uint32, "float": ctypes.c_float}
+CTYPES = (*_POINTER_DTYPES, *_SCALARS, "CUtensorMap")
+
+
+class KernelArg(NamedTuple):
+    """One kernel parameter: its name (the launch passes it by name), its C++ type, and whether a
+    pointer may be None (passed as a null pointer, for arguments the instantiation never reads)."""
+    name: str
+    ctype: str
+    nullable: bool = False
+
+    def check(self) -> "KernelArg":
+        if self.ctype not in CTYPES:
+            raise ValueError(f"KernelArg {self.name!r}: ctype={self.ctype!r}, expected one of {CTYPES}")
+        if self.nullable and self.ctype not in _POINTER_DTYPES:
+            raise ValueError(f"KernelArg {self.name!r}: only pointers can be nullable, not {self.ctype!r}")
+        return self
+
+
+def render_types(args: tuple[KernelArg, ...]) -> str:
+    """The C++ parameter types, comma-separated (for a template's argument pack)."""
+    return ", ".join(arg.check().ctype for arg in args)
+
+
+def _pack_one(kernel: str, arg: KernelArg, value):
+    where = f"{kernel}: kernel argument {arg.name!r} ({arg.ctype})"
+    if arg.ctype in _POINTER_DTYPES:
+        if value is None and arg.nullable:
+            return ctypes.c_uint64(0)
+        dtype = _POINTER_DTYPES[arg.ctype]
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+            got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"{where}: expected a {dtype} tensor{' or None' if arg.nullable else ''}, got {got}")
+        return value
+    if arg.ctype == "CUtensorMap":
+        if not isinstance(value, TensorMap):
+            raise TypeError(f"{where}: expected a jit.TensorMap, got {type(value).__name__}")
+        return value
+    if arg.ctype == "uint32_t":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 32:
+            raise TypeError(f"{where}: expected an int in [0, 2**32), got {value!r}")
+        return ctypes.c_uint32(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected a float, got {value!r}")
+    return ctypes.c_float(value)
+
+
+def pack_args(kernel: str, args: tuple[KernelArg, ...], **values) -> tuple:
+    """The launch tuple of ``args`` from values given by name, each checked against its type."""
+    names = [arg.name for arg in args]
+    missing = [name for name in names if name not in values]
+    extra = sorted(set(values) - set(names))
+    if missing or extra:
+        raise TypeError(f"{kernel}: kernel arguments missing {missing}, unexpected {extra}; declared {names}")
+    return tuple(_pack_one(kernel, arg, values[arg.name]) for arg in args)

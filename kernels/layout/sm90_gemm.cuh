@@ -1,0 +1,105 @@
+#pragma once
+// Problem description and shared-memory layout of the SM90 grouped GEMM core
+// (impls/sm90_bf16_grouped_gemm.cuh): the compile-time traits every policy (loader, mainloop,
+// epilogue) is written against, the N columns of a tile, and where stages, epilogue buffers and
+// barriers live in shared memory.
+
+#include <cstdint>
+
+#include <mma/sm90_desc.cuh>
+#include <scheduler/sm90_grouped.cuh>
+
+namespace dge::gemm {
+
+using mma::Major;
+using sched::GroupedGemmType;
+
+constexpr uint32_t BLOCK_M = 128;
+constexpr uint32_t BLOCK_K = 64;
+constexpr uint32_t kNumConsumerWarpgroups = 2;
+constexpr uint32_t kNumThreads = 128 * (kNumConsumerWarpgroups + 1);
+// setmaxnreg budgets: 128 * 40 + 256 * 232 fits the 64K-register file of one CTA per SM.
+constexpr uint32_t kProducerRegisters = 40;
+constexpr uint32_t kConsumerRegisters = 232;
+// Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads).
+constexpr uint32_t kEpilogueBarrierBase = 1;
+
+// One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
+// CTAs per cluster along N, paired N tiling (below) and the scheduler's M-block group.
+template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
+          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_>
+struct GemmTraits {
+    static constexpr GroupedGemmType kType = kType_;
+    static constexpr Major kMajorA = kMajorA_;
+    static constexpr Major kMajorB = kMajorB_;
+    static constexpr uint32_t BLOCK_N = BLOCK_N_;
+    static constexpr uint32_t kNumStages = kNumStages_;
+    static constexpr uint32_t kClusterN = kClusterN_;
+    static constexpr bool kPairedN = kPairedN_;
+    static constexpr uint32_t kGroupM = kGroupM_;
+    static constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
+    static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
+
+    static_assert(kType != GroupedGemmType::MGroupedContiguous || kMajorA == Major::K,
+                  "M-grouped GEMM: the pool A must be K-major");
+    static_assert(kType != GroupedGemmType::KGroupedContiguous || (kMajorA == Major::MN && kMajorB == Major::MN),
+                  "K-grouped GEMM: both operands are MN-major (rows of the pool are the contraction)");
+    static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
+    static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
+    static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
+};
+
+// Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N
+// tiling, chunks [0, BLOCK_N/128) are columns [n0, n0 + BLOCK_N/2) of the first half of N and the
+// remaining chunks the same columns of the second half, so a SwiGLU epilogue finds the gate and
+// up values of one output column in the same thread (accumulator i and i + kNumAccum/2).
+template <uint32_t BLOCK_N, bool kPairedN>
+struct TileColumns {
+    static constexpr uint32_t kNumChunks = BLOCK_N / 64;
+    uint32_t n0;
+    uint32_t half_n;
+
+    __device__ TileColumns(uint32_t n_block, uint32_t shape_n)
+        : n0(n_block * (kPairedN ? BLOCK_N / 2 : BLOCK_N)), half_n(shape_n / 2) {}
+
+    __device__ __forceinline__ uint32_t col(uint32_t chunk) const {
+        if constexpr (kPairedN)
+            return chunk < kNumChunks / 2 ? n0 + 64 * chunk : half_n + n0 + 64 * (chunk - kNumChunks / 2);
+        else
+            return n0 + 64 * chunk;
+    }
+};
+
+// The smem ring: kNumStages A stages (128 x 64 bf16), then kNumStages B stages (BLOCK_N x 64),
+// each a stack of 8 KiB 128B-swizzled atoms (mma/sm90_desc.cuh), from the 1024-aligned `base`.
+template <uint32_t BLOCK_N, uint32_t kNumStages>
+struct StageLayout {
+    static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;
+    static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;
+    static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+    static constexpr uint32_t kBytes = kNumStages * kStageBytes;
+    uint32_t base;
+
+    __device__ __forceinline__ uint32_t a(uint32_t stage) const { return base + stage * kABytes; }
+    __device__ __forceinline__ uint32_t b(uint32_t stage) const { return base + kNumStages * kABytes + stage * kBBytes; }
+};
+
+// Dynamic shared memory: the stages, the epilogue's buffers, then the pipeline barriers. This is
+// the one definition of the launch's byte count: the JIT source exports kTotalBytes
+// (DGE_EXPORT_SMEM_BYTES) and the host reads it from the cubin.
+template <uint32_t BLOCK_N, uint32_t kNumStages, class Epilogue>
+struct SmemLayout {
+    using Stages = StageLayout<BLOCK_N, kNumStages>;
+    static constexpr uint32_t kEpilogueOffset = Stages::kBytes;
+    static constexpr uint32_t kBarrierOffset = (kEpilogueOffset + Epilogue::kSmemBytes + 1023) / 1024 * 1024;
+    static constexpr uint32_t kBarrierBytes = 2 * kNumStages * 8;
+    // +1024: the dynamic smem base is aligned up to 1024 bytes at run time (128B swizzle atoms).
+    static constexpr uint32_t kTotalBytes = kBarrierOffset + kBarrierBytes + 1024;
+    static_assert(kTotalBytes <= 232448, "SmemLayout: tile, stages and epilogue exceed the 227 KiB of an SM90 CTA");
+};
+
+}  // namespace dge::gemm
+
+// The launch's dynamic smem bytes as a symbol of the cubin (jit.Kernel.exported_u32 reads it without
+// a GPU), so that no host code repeats the layout arithmetic.
+#define DGE_EXPORT_SMEM_BYTES(bytes) extern "C" __constant__ const uint32_t dge_dynamic_smem_bytes = (bytes);

@@ -1,0 +1,302 @@
+#pragma once
+// Loader policies of the SM90 grouped GEMM core (impls/sm90_bf16_grouped_gemm.cuh): how the
+// producer warpgroup fills a stage of the smem ring with the A and B blocks of a k-block.
+//
+// Loader contract (Traits: layout/sm90_gemm.cuh's GemmTraits):
+//   static constexpr uint32_t kCopyArrivals;      arrivals on each full barrier besides the leader's
+//                                                 arrive.expect_tx (TmaPipeline's extra arrivals)
+//   static constexpr bool kGenericProxyWrites;    stages are written by generic-proxy stores, so the
+//                                                 mainloop fences them before wgmma reads them
+//   static bool runs(uint32_t warp);              which producer threads (warp: of the CTA) load
+//   Loader(const LoaderArgs&, const Stages&, uint32_t thread_in_warpgroup);
+//   bool leader;                                  the thread that issues the TMA loads
+//   void begin_tile(const GroupedTile&);          per-tile state (e.g. gathered source rows)
+//   void load(const Pipe&, const PipelineState&, const GroupedTile&, const Columns&, uint32_t kb);
+//     waits for the stage to be free and fills it; every thread that runs() calls it.
+//
+//   LoaderTma             both operands by 64 x 64 TMA boxes (one thread; A multicast in clusters).
+//   LoaderGatherTmaRows   (M-grouped A) the first producer warp loads the 128 rows of each A stage as
+//                         1-row TMA boxes (64 columns, 128 bytes) placed at row r * 128 of the stage:
+//                         the 128B swizzle is a function of the shared memory address, so the rows
+//                         land where one 128-row box would have put them; a row coordinate of -1 is
+//                         out of bounds, which TMA fills with zeros (and still counts the bytes).
+//   LoaderGatherCpAsync   (M-grouped K-major A, or K-grouped MN-major A, or with kGatherB K-grouped
+//                         MN-major B): the whole producer warpgroup copies the stage with 16-byte
+//                         cp.async, each thread one 32-byte sector of several rows (GatherLayout),
+//                         writing each chunk at its swizzled position; each thread's copies arrive
+//                         on the stage's full barrier (noinc).
+// Gathering loaders read one operand from a token matrix x [T, C] (x for the L1 forward and dW1,
+// dy for the L2 dgrad and dW2): pool row r reads x[row_to_slot[r] / top_k]; padding rows
+// (row_to_slot[r] < 0), slots past x and rows past the pool read zeros.
+
+#include <cstdint>
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <common/sm90_utils.cuh>
+#include <layout/sm90_gemm.cuh>
+#include <mma/sm90_desc.cuh>
+#include <ptx/ld_st.cuh>
+#include <ptx/mbarrier.cuh>
+#include <ptx/sync.cuh>
+#include <ptx/tma.cuh>
+#include <scheduler/sm90_grouped.cuh>
+
+namespace dge::gemm {
+
+// The kernel arguments a loader reads. The row map, top_k and the token matrix are the gathering
+// loaders' (unused by LoaderTma).
+struct LoaderArgs {
+    uint32_t shape_m, shape_n, shape_k;
+    const int* row_to_slot;
+    uint32_t top_k;
+    const __nv_bfloat16* x;
+    uint32_t x_rows;
+    const CUtensorMap& tma_a;
+    const CUtensorMap& tma_b;
+    uint32_t cta_rank;
+
+    // Source row of a pool row: x's row, or -1 (a zero row) for padding, slots past x and rows past
+    // the pool (`num_rows`: the pool's row count).
+    __device__ __forceinline__ int32_t gather_source(uint32_t row, uint32_t num_rows) const {
+        const int slot = row < num_rows ? __ldg(row_to_slot + row) : -1;
+        const int src = slot >= 0 ? slot / static_cast<int>(top_k) : -1;
+        return src < static_cast<int>(x_rows) ? src : -1;
+    }
+};
+
+// The TMA loads of the operands that are not gathered, issued by the loader's leader.
+template <class Traits>
+struct TmaOperands {
+    using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
+    using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
+
+    // A: two 64-wide atoms (rows of the pool for K-major, columns of M for MN-major); in a cluster
+    // each CTA loads one atom for both.
+    __device__ __forceinline__ static void load_a(const LoaderArgs& args, const Stages& stages, uint32_t stage,
+                                                  const sched::GroupedTile& tile, uint32_t k0, uint32_t full) {
+        auto load_atom = [&](uint32_t atom, uint16_t mask) {
+            int32_t col, row;
+            if constexpr (Traits::kMajorA == Major::K) {
+                col = static_cast<int32_t>(k0);
+                row = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
+            } else {
+                col = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
+                row = static_cast<int32_t>(tile.k_row + k0);
+            }
+            const uint32_t dst = stages.a(stage) + atom * mma::kAtomBytes;
+            if constexpr (Traits::kClusterN > 1)
+                ptx::tma_load_2d_multicast(dst, &args.tma_a, full, col, row, mask);
+            else
+                ptx::tma_load_2d(dst, &args.tma_a, full, col, row);
+        };
+        if constexpr (Traits::kClusterN > 1) {
+            load_atom(args.cta_rank, static_cast<uint16_t>((1u << Traits::kClusterN) - 1));
+        } else {
+            load_atom(0, 0);
+            load_atom(1, 0);
+        }
+    }
+
+    // B: BLOCK_N / 64 atoms of the tile's columns.
+    __device__ __forceinline__ static void load_b(const LoaderArgs& args, const Stages& stages, uint32_t stage,
+                                                  const sched::GroupedTile& tile, const Columns& cols, uint32_t k0,
+                                                  uint32_t full) {
+#pragma unroll
+        for (uint32_t j = 0; j < Traits::kNumBChunks; ++j) {
+            int32_t col, row;
+            if constexpr (Traits::kMajorB == Major::K) {
+                col = static_cast<int32_t>(k0);
+                row = static_cast<int32_t>(tile.expert * args.shape_n + cols.col(j));
+            } else if constexpr (Traits::kType == GroupedGemmType::MGroupedContiguous) {
+                col = static_cast<int32_t>(cols.col(j));
+                row = static_cast<int32_t>(tile.expert * args.shape_k + k0);
+            } else {
+                col = static_cast<int32_t>(cols.col(j));
+                row = static_cast<int32_t>(tile.k_row + k0);
+            }
+            ptx::tma_load_2d(stages.b(stage) + j * mma::kAtomBytes, &args.tma_b, full, col, row);
+        }
+    }
+};
+
+template <class Traits>
+struct LoaderTma {
+    using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
+    using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
+    static constexpr uint32_t kCopyArrivals = 0;
+    static constexpr bool kGenericProxyWrites = false;
+
+    const LoaderArgs& args;
+    const Stages& stages;
+    const bool leader = true;
+
+    __device__ static bool runs(uint32_t warp) {
+        return warp == kNumConsumerWarpgroups * 4 && ptx::elect_one_sync();
+    }
+    __device__ LoaderTma(const LoaderArgs& args_, const Stages& stages_, uint32_t) : args(args_), stages(stages_) {}
+    __device__ __forceinline__ void begin_tile(const sched::GroupedTile&) {}
+
+    template <class Pipe>
+    __device__ __forceinline__ void load(const Pipe& pipe, const sm90::PipelineState<Traits::kNumStages>& st,
+                                         const sched::GroupedTile& tile, const Columns& cols, uint32_t kb) {
+        uint32_t full = pipe.full(st.stage);
+        const uint32_t k0 = kb * BLOCK_K;
+        full = pipe.producer_acquire(st, Stages::kStageBytes);
+        TmaOperands<Traits>::load_a(args, stages, st.stage, tile, k0, full);
+        TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
+    }
+};
+
+// Which rows and 16-byte chunks of a gathered stage each producer thread copies.
+//   TmaRows (M-grouped A, one warp): lane l loads whole rows l + 32 i (i < 4).
+//   CpAsync, M-grouped A (128 rows x 1 atom of 64 columns): thread t copies chunks 2 (t % 4) and
+//     2 (t % 4) + 1 (one 32-byte sector) of rows t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
+//   CpAsync, K-grouped MN-major operand (64 pool rows x kAtoms atoms of 64 columns): a row has
+//     4 kAtoms sectors; thread t copies sector t % (4 kAtoms) of rows t / (4 kAtoms) + step i.
+template <bool kTmaRows, bool kKGrouped, uint32_t kAtoms>
+struct GatherLayout {
+    static constexpr uint32_t kSectorsPerRow = kKGrouped ? 4 * kAtoms : 4;
+    static constexpr uint32_t kRowStep = kTmaRows ? 32 : 128 / kSectorsPerRow;
+    static constexpr uint32_t kRows = kKGrouped ? 64 : 128;
+    static constexpr uint32_t kRowsPerThread = kRows / kRowStep;
+    static_assert(kRows % kRowStep == 0, "GatherLayout: rows must split evenly over the copiers");
+    uint32_t first_row, sector;
+
+    __device__ explicit GatherLayout(uint32_t thread)
+        : first_row(kTmaRows ? thread % 32 : thread / kSectorsPerRow), sector(kTmaRows ? 0 : thread % kSectorsPerRow) {}
+    __device__ __forceinline__ uint32_t row(uint32_t i) const { return first_row + kRowStep * i; }
+    __device__ __forceinline__ uint32_t atom() const { return sector / 4; }         // 64-column atom
+    __device__ __forceinline__ uint32_t chunk() const { return 2 * (sector % 4); }  // first 16-byte chunk in it
+};
+
+template <class Traits>
+struct LoaderGatherTmaRows {
+    static_assert(Traits::kType == GroupedGemmType::MGroupedContiguous && Traits::kClusterN == 1,
+                  "the 1-row TMA loader gathers the K-major A of M-grouped GEMMs without clusters");
+    using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
+    using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
+    using Gather = GatherLayout<true, false, 2>;
+    static constexpr uint32_t kCopyArrivals = 0;
+    static constexpr bool kGenericProxyWrites = false;
+
+    const LoaderArgs& args;
+    const Stages& stages;
+    const Gather gather;
+    const bool leader;
+    int32_t src_rows[Gather::kRowsPerThread];  // the tile's gathered rows, fixed for all its k-blocks
+
+    __device__ static bool runs(uint32_t warp) { return warp == kNumConsumerWarpgroups * 4; }
+    __device__ LoaderGatherTmaRows(const LoaderArgs& args_, const Stages& stages_, uint32_t thread)
+        : args(args_), stages(stages_), gather(thread), leader(thread % 32 == 0) {}
+
+    __device__ __forceinline__ void begin_tile(const sched::GroupedTile& tile) {
+#pragma unroll
+        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+            src_rows[i] = args.gather_source(tile.m_block * BLOCK_M + gather.row(i), args.shape_m);
+    }
+
+    template <class Pipe>
+    __device__ __forceinline__ void load(const Pipe& pipe, const sm90::PipelineState<Traits::kNumStages>& st,
+                                         const sched::GroupedTile& tile, const Columns& cols, uint32_t kb) {
+        uint32_t full = pipe.full(st.stage);
+        const uint32_t k0 = kb * BLOCK_K;
+        if (leader)
+            full = pipe.producer_acquire(st, Stages::kStageBytes);
+        // The leader has seen the stage freed: only then may the lanes write it.
+        __syncwarp();
+#pragma unroll
+        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+            ptx::tma_load_2d(stages.a(st.stage) + gather.row(i) * 128, &args.tma_a, full, static_cast<int32_t>(k0),
+                             src_rows[i]);
+        if (!leader)
+            return;
+        TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
+    }
+};
+
+template <class Traits, bool kGatherB>
+struct LoaderGatherCpAsync {
+    static_assert(Traits::kClusterN == 1, "the gathering loaders are for GEMMs without clusters");
+    static_assert(!kGatherB || Traits::kKGrouped, "a gathered B is the MN-major operand of a K-grouped GEMM");
+    using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
+    using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
+    using Gather = GatherLayout<false, Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;
+    static constexpr uint32_t kCopyArrivals = 128;
+    static constexpr bool kGenericProxyWrites = true;
+
+    const LoaderArgs& args;
+    const Stages& stages;
+    const Gather gather;
+    const bool leader;
+    // M-grouped: the tile's gathered rows, fixed for all its k-blocks; K-grouped: the k-block's.
+    int32_t src_rows[Gather::kRowsPerThread];
+
+    __device__ static bool runs(uint32_t) { return true; }
+    __device__ LoaderGatherCpAsync(const LoaderArgs& args_, const Stages& stages_, uint32_t thread)
+        : args(args_), stages(stages_), gather(thread), leader(thread == 0) {}
+
+    __device__ __forceinline__ void begin_tile(const sched::GroupedTile& tile) {
+        if constexpr (!Traits::kKGrouped) {
+#pragma unroll
+            for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+                src_rows[i] = args.gather_source(tile.m_block * BLOCK_M + gather.row(i), args.shape_m);
+        }
+    }
+
+    template <class Pipe>
+    __device__ __forceinline__ void load(const Pipe& pipe, const sm90::PipelineState<Traits::kNumStages>& st,
+                                         const sched::GroupedTile& tile, const Columns& cols, uint32_t kb) {
+        const uint32_t full = pipe.full(st.stage);
+        const uint32_t k0 = kb * BLOCK_K;
+        // K-grouped: this k-block's 64 pool rows (looked up before the wait).
+        if constexpr (Traits::kKGrouped) {
+#pragma unroll
+            for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+                src_rows[i] = args.gather_source(tile.k_row + k0 + gather.row(i), args.shape_k);
+        }
+        // Every copier waits for the slot; the leader announces the TMA bytes only.
+        ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
+        if (leader)
+            ptx::mbarrier_arrive_expect_tx(full, kGatherB ? Stages::kABytes : Stages::kBBytes);
+        const uint32_t dst = kGatherB ? stages.b(st.stage) : stages.a(st.stage);
+#pragma unroll
+        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i) {
+            const uint32_t r = gather.row(i);
+            uint32_t col0, width;
+            if constexpr (!Traits::kKGrouped) {
+                col0 = k0;                                        // K-major A
+                width = args.shape_k;
+            } else if constexpr (kGatherB) {
+                col0 = cols.col(gather.atom());                   // MN-major B
+                width = args.shape_n;
+            } else {
+                col0 = tile.m_block * BLOCK_M + gather.atom() * 64;  // MN-major A
+                width = args.shape_m;
+            }
+#pragma unroll
+            for (uint32_t c = gather.chunk(); c < gather.chunk() + 2; ++c) {
+                const uint32_t col = col0 + c * 8;  // rows are multiples of 8 columns
+                const bool live = src_rows[i] >= 0 && col < width;
+                const __nv_bfloat16* ptr = args.x + (live ? static_cast<uint64_t>(src_rows[i]) * width + col : 0);
+                ptx::cp_async_16(dst + gather.atom() * mma::kAtomBytes + r * 128 + ((c ^ (r % 8)) << 4), ptr,
+                                 live ? 16 : 0);
+            }
+        }
+        ptx::cp_async_mbarrier_arrive_noinc(full);
+        if (!leader)
+            return;
+        if constexpr (kGatherB)
+            TmaOperands<Traits>::load_a(args, stages, st.stage, tile, k0, full);
+        else
+            TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
+    }
+};
+
+// The cp.async loader of A or of B, as one-parameter policies for the kernel template.
+template <class Traits>
+using LoaderGatherCpAsyncA = LoaderGatherCpAsync<Traits, false>;
+template <class Traits>
+using LoaderGatherCpAsyncB = LoaderGatherCpAsync<Traits, true>;
+
+}  // namespace dge::gemm

@@ -1,0 +1,73 @@
+"""Shared by every test file: the GPU skip markers, the NaN-poisoning of the CUDA allocator, and
+a summary of the skips by reason at the end of a run."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+requires_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs an SM90 (Hopper) GPU")
+
+
+def _has_compiler() -> bool:
+    from deep_gemm_ext.jit import compiler
+    try:
+        compiler.select_compiler()
+        return True
+    except RuntimeError:
+        return False
+
+
+# Building kernels needs nvcc or NVRTC, not a GPU.
+requires_compiler = pytest.mark.skipif(not _has_compiler(), reason="no nvcc and no NVRTC here")
+
+
+def poison_cached_memory(byte: int = 0xFF, reserve_bytes: int = 4 << 30) -> None:
+    """Fill every block the CUDA caching allocator may hand out next with ``byte`` (0xFF: NaN in
+    bf16 / fp32, -1 in integers), so an output element a kernel forgets to write shows up.
+
+    A single large poisoned blob only covers requests that land in it: the allocator prefers the
+    best-fitting cached block, and requests up to 1 MiB come from a separate small pool. So every
+    inactive cached block of the current stream's default pool is taken at its exact size, plus
+    fresh large and small segments for requests that fit nowhere else; all are filled, then freed.
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    stream = torch.cuda.current_stream().cuda_stream
+    held = []
+    for _ in range(2):  # taking a block can split it; a second pass takes the pieces
+        for seg in torch.cuda.memory_snapshot():
+            if seg["stream"] != stream or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+                continue
+            for block in seg["blocks"]:
+                # A free piece <= 1 MiB of a large segment is never handed out alone (such
+                # requests go to the small pool), so only whole usable blocks are taken.
+                if block["state"] == "inactive" and (seg["segment_type"] == "small" or block["size"] > 1 << 20):
+                    held.append(torch.empty(block["size"], dtype=torch.uint8, device="cuda"))
+    free, _ = torch.cuda.mem_get_info()
+    held.append(torch.empty(min(reserve_bytes, int(free * 0.5)), dtype=torch.uint8, device="cuda"))
+    held += [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(16)]
+    for t in held:
+        t.fill_(byte)
+    del held
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = Counter(_skip_reason(report) for report in skipped)
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:6d}  {reason}")

@@ -1,0 +1,235 @@
+"""The benchmark, tree-comparison and profiling scripts on the CPU: their dry runs end to end, and
+the parts the GPU runs rely on (skip reasons, the torch.compile fallback, NaN-aware comparison, the
+kernel-gap arithmetic, the Liger adapter's argument conversion)."""
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deep_gemm_ext import baselines
+from deep_gemm_ext.testing import Workload, make_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench")
+compare_trees = _load("compare_trees")
+profile_layer = _load("profile_layer")
+
+TINY = Workload("tiny", 24, 32, 16, 4, 2)
+
+
+def _last_line(text: str) -> str:
+    return text.rstrip().splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py
+
+
+def test_bench_dry_run_end_to_end(tmp_path):
+    out = tmp_path / "b.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--dry-run", "--no-compile", "--json", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _last_line(proc.stdout).startswith("| dry-run | ours | torch |")
+    assert "x compiled grouped_mm" in proc.stdout
+    records = json.loads(out.read_text())
+    measured = [r for r in records if "skipped" not in r]
+    assert {(r["impl"], r["backend"]) for r in measured} >= {("grouped_mm", "torch"), ("ours", "auto")}
+    for r in measured:
+        assert r["check_max_rel_err"] < bench.CHECK_MAX_REL_ERR["bf16"]
+        assert r["fwdbwd_ms"] > 0
+        assert r["ratio_vs_compiled_grouped_mm"] is None  # --no-compile: no such row to divide by
+    if not torch.cuda.is_available():
+        assert "not measured: liger (triton, bf16): Liger-Kernel's fused MoE is Triton code" in proc.stdout
+
+
+def _records(impls, capsys):
+    meta = dict(gpu="cpu", commit="test", date="today")
+    records = bench.run_workload(TINY, impls, {}, 1, "cpu", meta, check=TINY)
+    return {(r["impl"], r["backend"]): r for r in records}, capsys.readouterr().out
+
+
+def test_bench_reports_failing_and_wrong_rows(capsys):
+    def raises(*args):
+        raise RuntimeError("no kernel for this shape")
+
+    def wrong(x, idx, w, l1, l2):
+        return baselines.grouped_mm_moe(x, idx, w, l1, l2) * 1.5
+
+    impls = {bench.BASE: bench.Impl(baselines.grouped_mm_moe), ("broken", "x", "bf16"): bench.Impl(raises),
+             ("wrong", "x", "bf16"): bench.Impl(wrong)}
+    rows, out = _records(impls, capsys)
+    assert rows[("broken", "x")]["skipped"] == "RuntimeError: no kernel for this shape"
+    assert rows[("wrong", "x")]["skipped"].startswith("RuntimeError: disagrees with the fp64 reference")
+    assert "tiny: broken (x, bf16) skipped: RuntimeError: no kernel for this shape" in out
+    assert rows[("grouped_mm", "torch")]["ratio_vs_grouped_mm"] == 1.0
+    assert rows[("grouped_mm", "torch")]["check_max_rel_err"] < 2e-2
+
+
+def test_bench_compiled_row_falls_back_with_a_note(monkeypatch, capsys):
+    """fullgraph=True failing on the first call: the row is timed with graph breaks and says why."""
+    calls = []
+
+    def fake_compile(fn, fullgraph=False, dynamic=None):
+        assert dynamic is False
+        calls.append(fullgraph)
+        if fullgraph:
+            def fails(*args):
+                raise torch._dynamo.exc.Unsupported("data-dependent .tolist()")
+            return fails
+        return fn
+
+    monkeypatch.setattr(bench.torch, "compile", fake_compile)
+    impl = bench.compiled_grouped_mm()
+    rows, out = _records({bench.BASE: bench.Impl(baselines.grouped_mm_moe), bench.COMPILED: impl}, capsys)
+    assert calls == [True, False]
+    row = rows[("grouped_mm", "torch.compile")]
+    assert "skipped" not in row
+    assert row["notes"] and "(fullgraph=True) failed (Unsupported: data-dependent .tolist())" in row["notes"][0]
+    assert row["ratio_vs_compiled_grouped_mm"] == 1.0
+
+
+def test_bench_plot_only_ignores_skipped_records(tmp_path, capsys):
+    records = [dict(workload="w", impl="liger", backend="triton", recipe="bf16", skipped="no GPU")]
+    bench.draw_png(records, tmp_path / "x.png")
+    assert "no measured rows" in capsys.readouterr().out
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The Liger adapter (its kernels need a GPU; the conversion does not)
+
+
+def test_liger_inputs_convert_only_the_ids():
+    x, idx, w, l1, l2 = make_inputs(8, 16, 8, 4, 2, seed=3)
+    args = baselines.liger_inputs(x, idx, w, l1, l2)
+    assert args[0] is x and args[1] is l1 and args[2] is l2 and args[4] is w  # gradients reach our leaves
+    assert args[3].dtype == torch.int32 and torch.equal(args[3].long(), idx)
+
+
+def test_liger_inputs_reject_what_liger_cannot_do():
+    x, idx, w, l1, l2 = make_inputs(8, 16, 8, 4, 2, routing="unused_slots", seed=5)
+    assert (idx < 0).any()
+    with pytest.raises(ValueError, match=r"topk_idx has unused slots \(min id -1\)"):
+        baselines.liger_inputs(x, idx, w, l1, l2)
+    with pytest.raises(ValueError, match="activation_clamp=1.0: Liger's fused MoE has no clamp"):
+        baselines.liger_inputs(x, idx.clamp(min=0), w, l1, l2, activation_clamp=1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given without a GPU")
+def test_liger_unavailable_reason_without_gpu():
+    assert "needs a CUDA GPU" in baselines.liger_unavailable_reason()
+
+
+# ---------------------------------------------------------------------------------------------
+# compare_trees.py
+
+
+def test_compare_tensors_is_nan_aware():
+    nan = float("nan")
+    a = torch.tensor([1.0, nan, 0.0, -2.0])
+    assert compare_trees.compare_tensors(a, a.clone()) == (0.0, True)
+    assert compare_trees.compare_tensors(a, torch.tensor([1.0, nan, -0.0, -2.0])) == (0.0, True)
+    assert compare_trees.compare_tensors(a, torch.tensor([1.0, nan, 0.0, -2.5])) == (0.5, False)
+    assert compare_trees.compare_tensors(a, torch.tensor([1.0, 3.0, 0.0, -2.0])) == (float("inf"), False)
+    assert compare_trees.compare_tensors(a, a.double())[1] is False
+    assert compare_trees.compare_tensors(a, a[:3])[1] is False
+    assert compare_trees.compare_tensors(torch.empty(0, 3), torch.empty(0, 3)) == (0.0, True)
+
+
+def _copy_tree(dst: Path) -> Path:
+    shutil.copytree(ROOT / "deep_gemm_ext", dst / "deep_gemm_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _compare(tree_a, tree_b, tmp_path):
+    cmd = [sys.executable, str(SCRIPTS / "compare_trees.py"), str(tree_a), str(tree_b), "--device", "cpu",
+           "--groups", "headline", "fuzz", "--fuzz-seeds", "0", "2", "--cache-root", str(tmp_path / "cache")]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_compare_trees_same_tree_is_identical(tmp_path):
+    proc = _compare(_copy_tree(tmp_path / "a"), ROOT, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 of 4 cases identical on cpu" in proc.stdout
+    assert "generated twice on cpu: identical" in proc.stdout
+    assert _last_line(proc.stdout).startswith("| fuzz-seed-2 | 0.000e+00 | yes |")
+
+
+def test_compare_trees_reports_a_perturbed_tree(tmp_path):
+    tree = _copy_tree(tmp_path / "perturbed")
+    with open(tree / "deep_gemm_ext" / "__init__.py", "a") as f:
+        f.write("\n_unperturbed = mega_moe_train\n\n\ndef mega_moe_train(x, *args, **kwargs):\n"
+                "    return _unperturbed(x, *args, **kwargs) * 1.0078125\n")
+    proc = _compare(ROOT, tree, tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny-t48 ")]
+    assert len(rows) == 1 and "| NO | y, dx, dtopk_w, dl1, dl2 |" in rows[0]
+    assert "0 of 4 cases identical" in proc.stdout
+
+
+def test_compare_trees_rejects_a_directory_without_the_package(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "compare_trees.py"), str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert f"tree_a={tmp_path}: expected a directory holding deep_gemm_ext/__init__.py" in proc.stderr
+
+
+def test_compare_trees_last_table():
+    text = "log\n| a | b |\n|---|---|\n| 1 | 2 |\n\ntrailing words\n"
+    assert compare_trees._last_table(text) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+# ---------------------------------------------------------------------------------------------
+# profile_layer.py
+
+
+def test_kernel_gaps_per_stream():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 10, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "swiglu", "ts": 15, "dur": 5, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 30, "dur": 1, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 12, "dur": 10, "args": {"stream": 9}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
+        {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 1},
+    ]}
+    acts = profile_layer.device_activities(trace)
+    assert [a["name"] for a in acts] == ["gemm", "swiglu", "[memset] Memset", "gemm"]
+    s = profile_layer.summarize(acts)
+    assert (s["kernels"], s["kernel_us"], s["activities"], s["streams"]) == (3, 25.0, 4, 2)
+    # stream 7: 10 -> 15 and 20 -> 30; the gemm on stream 9 overlaps, no gap of its own
+    assert (s["gaps"], s["gap_us"], s["span_us"]) == (2, 15.0, 31.0)
+    assert s["largest_gaps"][0] == (10.0, "swiglu", "[memset] Memset")
+    assert s["per_name"][0] == ("gemm", 2, 20.0)
+
+
+def test_profile_sync_dry_run(capsys, monkeypatch):
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")
+    assert profile_layer.main(["sync", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| DGE_CHECK_IDS | median step ms |" in out
+    assert _last_line(out).count("|") == 4
+    import os
+    assert os.environ["DGE_CHECK_IDS"] == "1"  # restored
+
+
+def test_profile_old_command_line_means_kernels():
+    if torch.cuda.is_available():
+        pytest.skip("runs the profile on a GPU")
+    assert profile_layer.main(["--impl", "ours"]) == 2  # parsed as `kernels --impl ours`, then no GPU
