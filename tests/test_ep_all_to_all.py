@@ -39,7 +39,7 @@ TIMEOUT = timedelta(seconds=60)  # a hang in a collective fails the test instead
 
 SCENARIOS = {
     2: ["exchange_pieces", "layer_matches_reference", "default_buffer_and_mesh", "api_bad_inputs",
-        "bad_inputs", "module_and_compile"],
+        "bad_inputs", "module_and_compile", "fp8_recipe"],
     3: ["exchange_pieces", "layer_matches_reference"],
     4: ["layer_matches_reference", "default_buffer_and_mesh"],
 }
@@ -458,6 +458,38 @@ def module_and_compile(rank, world, device, seed):
     opcheck(torch.ops.deep_gemm_ext.mega_moe_bwd.default, fresh(args, False), kwargs)
 
 
+def fp8_recipe(rank, world, device, seed):
+    """recipe="fp8" over the exchange. Row quantization (x, act, dy, dh along the hidden sizes) sees
+    the same rows as on one process, so y, dx and d topk_weights match the single-process fp8
+    emulation up to bf16 roundings; the weight gradients' column tiles group other tokens, so those
+    are held to the emulation's own error against fp64."""
+    from deep_gemm_ext.recipes.fp8 import fp8_reference_layer
+
+    hidden = inter = 128
+    counts = [9, 5, 0, 6][:world]
+    inputs = global_inputs(seed, world, counts, "unused_slots", torch.bfloat16, device, hidden=hidden, inter=inter)
+    xs, idxs, ws, l1, l2, dys = inputs
+    mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
+    leaves = [t.clone().requires_grad_(True) for t in (xs[rank], ws[rank], l1[mine], l2[mine])]
+    y = dge.mega_moe_train(leaves[0], idxs[rank], *leaves[1:], group=dist.group.WORLD, recipe="fp8")
+    got = (y.detach(), *torch.autograd.grad(y, leaves, dys[rank]))
+    emulated = fp8_reference_layer(torch.cat(xs), torch.cat(idxs), torch.cat(ws), l1, l2, None, torch.cat(dys))
+    exact = reference_grads(*inputs, None)
+    lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    names = ("y", "dx", "d_topk_weights", "d_l1", "d_l2")
+    for i, name in enumerate(names):
+        per_token = i < 3
+        emu = emulated[i][lo:hi] if per_token else emulated[i][mine]
+        ref = exact[i][rank] if per_token else exact[i][mine]
+        if not ref.numel():
+            continue
+        if per_token:
+            assert rel_err(got[i], emu) <= 1e-2, f"rank {rank}: {name} vs the fp8 emulation {rel_err(got[i], emu):.3g}"
+        else:
+            limit = 1.5 * rel_err(emu, ref) + 1e-3
+            assert rel_err(got[i], ref) <= limit, f"rank {rank}: {name} {rel_err(got[i], ref):.3g} > {limit:.3g}"
+
+
 def gpu_kernels_and_cuda_graph(rank, world, device, seed):
     """On GPUs (nccl): shapes our SM90 kernels take (H, 2I multiples of 128) against fp64, then
     forward + backward captured in one CUDA graph and replayed with new inputs and routing,
@@ -547,6 +579,10 @@ def test_api_bad_inputs():
 
 def test_module_and_compile():
     run_scenario(2, "module_and_compile")
+
+
+def test_fp8_recipe():
+    run_scenario(2, "fp8_recipe")
 
 
 @_gpu(2)
