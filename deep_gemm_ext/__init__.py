@@ -1,5 +1,6 @@
 """deep_gemm_ext: trainable Mega MoE layers (forward + backward) for NVIDIA GPUs."""
 from .api import mega_moe_train
+from .comm.all_to_all import EpBuffer, ep_memory_bytes
 from .integrations import MegaGroupedExperts, register_transformers
 from .module import MegaMoE
 from .reference import reference_forward
@@ -11,6 +12,8 @@ __version__ = "0.1.0"
 __all__ = [
     "mega_moe_train",
     "MegaMoE",
+    "EpBuffer",
+    "ep_memory_bytes",
     "register_transformers",
     "MegaGroupedExperts",
     "reference_forward",

@@ -11,7 +11,7 @@ from .validation import validate_inputs
 def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                    l1_weights: torch.Tensor, l2_weights: torch.Tensor, *, group=None,
                    recipe: str = "bf16", activation_clamp: float | None = None,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", ep_buffer=None) -> torch.Tensor:
     """The MoE layer (README, "The contract"; in code, ``deep_gemm_ext/reference.py``),
     differentiable w.r.t. x, topk_weights and both weights.
 
@@ -25,12 +25,20 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     (grouped GEMMs through ``torch._grouped_mm``), or ``"deep_gemm"`` (upstream DeepGEMM's grouped
     GEMMs; needs deep_gemm installed). recipe: ``"bf16"``; ``"fp8"`` (blockwise fp8: 1x128 activation
     and 128x128 weight scales, deep_gemm_ext.recipes.fp8) on DeepGEMM's kernels, elsewhere as its
-    torch emulation. group: None or a group of one rank (expert
-    parallelism over several ranks is not available yet).
+    torch emulation.
+
+    Expert parallelism: ``group`` (a ProcessGroup or a 1-D DeviceMesh of W ranks) makes rank r the
+    owner of the global experts ``[r * E_loc, (r + 1) * E_loc)``: l1_weights / l2_weights hold those
+    ``E_loc``, topk_idx holds global ids in ``[-1, W * E_loc)``, and x, y and the gradients of x and
+    topk_weights are this rank's own tokens (any number per rank, 0 included). Tokens travel by
+    all-to-all (deep_gemm_ext.comm.all_to_all); ``ep_buffer`` (an :class:`~deep_gemm_ext.EpBuffer`)
+    fixes the capacity, else every call finds it with one all_reduce (a host sync; CUDA graphs and
+    torch.compile need the buffer). Every rank of the group must call the layer.
     """
-    validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
-                    activation_clamp=activation_clamp, backend=backend)
+    group = validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
+                            activation_clamp=activation_clamp, backend=backend, ep_buffer=ep_buffer).group
     clamp = None if activation_clamp is None else float(activation_clamp)
-    encoded = plan.resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, group=group)
+    exchange = plan.resolve_exchange(x, topk_idx, l1_weights, group, ep_buffer)
+    encoded = plan.resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, exchange=exchange)
     return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights, clamp,
                                                 encoded)[0]

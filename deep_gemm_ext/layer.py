@@ -29,36 +29,50 @@ _META_TENSORS = 5  # counts, starts, ends, slot_to_row, row_to_slot
 
 # ---------------------------------------------------------------------------------------------
 # What the forward saves, as the flat tensor lists the custom ops carry:
-#   saved = [x_rows, topk_weights, l1_weights, l2_weights, h, *routing metadata, *exchange handle]
-# x_rows is x itself where the L1 GEMM gathered it (plan.gather_x), else the dispatched pool.
+#   saved = [x_rows, w_rows, l1_weights, l2_weights, h, *routing metadata, *exchange handle]
+# x_rows is the dispatched x itself where the L1 GEMM gathered it (plan.gather_x), else the pool;
+# w_rows the dispatched topk_weights. On one rank dispatch is the identity, so x_rows (under gather_x)
+# and w_rows are op inputs; under expert parallelism they are the received rows, made by the op.
 # The op returns only the tensors it made ("produced"); setup_context adds the inputs back.
 
 
 def produced_of(plan: Plan, saved: list[torch.Tensor]) -> list[torch.Tensor]:
     """The saved tensors the forward made (not its inputs)."""
-    x_rows, _, _, _, *rest = saved
+    x_rows, w_rows, _, _, *rest = saved
+    if plan.exchanges_tokens:
+        return [x_rows, w_rows, *rest]
     return rest if plan.gather_x else [x_rows, *rest]
 
 
 def saved_of(plan: Plan, x, topk_weights, l1_weights, l2_weights, produced: list[torch.Tensor]) -> list[torch.Tensor]:
     """``saved`` from the op's inputs and what it produced (the inverse of :func:`produced_of`)."""
+    if plan.exchanges_tokens:
+        x_rows, w_rows, *rest = produced
+        return [x_rows, w_rows, l1_weights, l2_weights, *rest]
     if plan.gather_x:
         return [x, topk_weights, l1_weights, l2_weights, *produced]
     x_pool, *rest = produced
     return [x_pool, topk_weights, l1_weights, l2_weights, *rest]
 
 
-def produced_like(plan: Plan, x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.Tensor) -> list[torch.Tensor]:
+def produced_like(plan: Plan, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                  l1_weights: torch.Tensor) -> list[torch.Tensor]:
     """Empty tensors shaped like what :func:`forward` produces (the custom op's fake)."""
-    num_tokens, hidden = x.shape
+    hidden = x.shape[1]
     top_k = topk_idx.shape[1]
+    num_rows = plan.tokens.received_rows(x.shape[0])
     num_experts, two_i, _ = l1_weights.shape
-    rows = pool_rows(num_tokens * top_k, num_experts, plan.align)
+    rows = pool_rows(num_rows * top_k, num_experts, plan.align)
     i32 = dict(dtype=torch.int32, device=x.device)
-    made = [] if plan.gather_x else [x.new_empty(rows, hidden, dtype=plan.dtype)]
+    pool = x.new_empty(rows, hidden, dtype=plan.dtype)
+    if plan.exchanges_tokens:
+        made = [x.new_empty(num_rows, hidden) if plan.gather_x else pool, topk_weights.new_empty(num_rows, top_k)]
+    else:
+        made = [] if plan.gather_x else [pool]
     return made + [x.new_empty(rows, two_i, dtype=plan.dtype), torch.empty(num_experts, **i32),
                    torch.empty(num_experts, **i32), torch.empty(num_experts, **i32),
-                   torch.empty(num_tokens * top_k, **i32), torch.empty(rows, **i32)]
+                   torch.empty(num_rows * top_k, **i32), torch.empty(rows, **i32),
+                   *plan.tokens.handle_like(x, topk_idx)]
 
 
 def _meta(plan: Plan, tensors, num_experts: int, top_k: int) -> RoutingMeta:
@@ -90,7 +104,7 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         x_rows = x_r if plan.gather_x else x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt)
         h = x_r.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
         y = plan.tokens.combine(x_r.new_zeros(x_r.shape), handle)
-        return y, [x_rows, topk_weights, l1_weights, l2_weights, h, *meta.tensors(), *handle]
+        return y, [x_rows, w_r, l1_weights, l2_weights, h, *meta.tensors(), *handle]
     if plan.gather_x:
         a, gather = x_r.contiguous(), Gather(meta.row_to_slot, top_k, plan.gather_x)
         x_rows = x_r
@@ -107,7 +121,7 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
     y_r = _combine(plan, act, precision.expert_weights(l2_weights, cdt), "nt", meta, w_r, x.dtype)
     y = plan.tokens.combine(y_r, handle)
-    return y, [x_rows, topk_weights, l1_weights, l2_weights, h, *meta.tensors(), *handle]
+    return y, [x_rows, w_r, l1_weights, l2_weights, h, *meta.tensors(), *handle]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,16 +131,16 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
 def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from :func:`forward`'s ``saved``."""
     gemms, precision, cdt = plan.gemms, plan.precision, plan.dtype
-    x_rows, topk_weights, l1_weights, l2_weights, h, *rest = saved
+    x_rows, w_rows, l1_weights, l2_weights, h, *rest = saved
     handle = rest[_META_TENSORS:]
-    top_k = topk_weights.shape[1]
+    top_k = w_rows.shape[1]
     meta = _meta(plan, rest[:_META_TENSORS], l1_weights.shape[0], top_k)
     dy_r = plan.tokens.combine_backward(dy, handle)
-    num_tokens = meta.slot_to_row.shape[0] // top_k
-    if num_tokens == 0:  # shapes are static: no sync; also avoids zero-length contractions
-        dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(topk_weights), handle)
+    num_rows = meta.slot_to_row.shape[0] // top_k
+    if num_rows == 0:  # shapes are static: no sync; also avoids zero-length contractions
+        dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(w_rows), handle)
         return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
-    flat_w = topk_weights.reshape(-1)
+    flat_w = w_rows.reshape(-1)
     row_weight = torch.where(meta.row_to_slot >= 0, flat_w[meta.row_to_slot.clamp(min=0).long()], 0)
     if plan.gather_backward:
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
@@ -155,6 +169,6 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         d_l1 = gemms.k_grouped(dh, x_rows, meta, recipe=precision)  # [E, 2I, H]
     del dh
     d_topk = torch.where(meta.slot_to_row >= 0, d_row_weight[meta.slot_to_row.clamp(min=0).long()], 0)
-    d_topk = d_topk.view(num_tokens, top_k).to(topk_weights.dtype)
+    d_topk = d_topk.view(num_rows, top_k).to(w_rows.dtype)
     dx, d_topk = plan.tokens.dispatch_backward(dx_r, d_topk, handle)
     return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)

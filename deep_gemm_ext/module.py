@@ -10,8 +10,10 @@ import numbers
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .api import mega_moe_train
+from .comm.all_to_all import resolve_group
 from .plan import DEFAULT_BACKEND
 from .validation import validate_inputs
 
@@ -80,23 +82,27 @@ class MegaMoE(nn.Module):
 
     Under expert parallelism rank ``r`` of ``group`` owns the global experts
     ``[r * E_loc, (r + 1) * E_loc)`` (``expert_offset = r * E_loc``) and ``topk_idx`` holds global
-    ids. Today ``mega_moe_train`` runs ``group=None`` or a group of size 1 only; a larger group
-    builds the sharded parameters (so checkpoints can be laid out) but ``forward`` raises.
+    ids; ``group`` is a ProcessGroup or a 1-D DeviceMesh. ``ep_buffer`` (a
+    :class:`deep_gemm_ext.EpBuffer` for ``group``) fixes the all-to-all capacity so that no call
+    syncs with the host; without it every call finds the capacity with one all_reduce.
 
     ``forward(x, topk_idx, topk_weights)`` takes ``x [..., hidden]``, ``topk_idx [..., top_k]``
     (int64/int32, -1 = unused slot) and ``topk_weights [..., top_k]`` (any float dtype; computed in
     fp32) and returns ``y`` shaped like ``x``. Under ``torch.autocast`` it computes in the
     autocast dtype (weights cast per call, gradients flow back to the stored weights).
-    ``recipe``, ``activation_clamp`` and ``backend`` are passed to ``mega_moe_train`` on every call.
+    ``recipe``, ``activation_clamp``, ``backend`` and ``ep_buffer`` are passed to ``mega_moe_train`` on
+    every call.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, group=None,
                  recipe: str = "bf16", activation_clamp: float | None = None, backend: str = DEFAULT_BACKEND,
-                 device=None, dtype: torch.dtype = torch.bfloat16):
+                 ep_buffer=None, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         num_experts, hidden, intermediate, top_k = (
             _positive_int(name, value) for name, value in (("num_experts", num_experts), ("hidden", hidden),
                                                            ("intermediate", intermediate), ("top_k", top_k)))
+        if isinstance(group, DeviceMesh):  # its 1-D group; other objects need only size() and rank() here
+            group = resolve_group(group)
         world, rank = _group_size_and_rank(group)
         if num_experts % world:
             raise ValueError(f"num_experts={num_experts} is not divisible by the group size {world}; "
@@ -121,6 +127,7 @@ class MegaMoE(nn.Module):
         self.group = group
         self.recipe = recipe
         self.backend = backend
+        self.ep_buffer = ep_buffer
         self.activation_clamp = None if activation_clamp is None else float(activation_clamp)
         factory = dict(device=device, dtype=dtype)
         self.l1_weights = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate, hidden, **factory))
@@ -144,7 +151,8 @@ class MegaMoE(nn.Module):
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected its last dim to be hidden={self.hidden}")
         return experts_forward(x, topk_idx, topk_weights, self.l1_weights, self.l2_weights, group=self.group,
-                               recipe=self.recipe, activation_clamp=self.activation_clamp, backend=self.backend)
+                               recipe=self.recipe, activation_clamp=self.activation_clamp, backend=self.backend,
+                               ep_buffer=self.ep_buffer)
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}"]

@@ -33,14 +33,14 @@ def mega_moe_fwd(
     p = Plan.decode(plan)
     check_alignment(x=x, topk_idx=topk_idx, topk_weights=topk_weights, l1_weights=l1_weights,
                     l2_weights=l2_weights)
-    check_expert_ids(topk_idx, l1_weights.shape[0], host_check=p.check_ids)
+    check_expert_ids(topk_idx, p.tokens.num_experts(l1_weights.shape[0]), host_check=p.check_ids)
     y, saved = layer.forward(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
     return y, layer.produced_of(p, saved)
 
 
 @mega_moe_fwd.register_fake
 def _(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan):
-    return x.new_empty(x.shape), layer.produced_like(Plan.decode(plan), x, topk_idx, l1_weights)
+    return x.new_empty(x.shape), layer.produced_like(Plan.decode(plan), x, topk_idx, topk_weights, l1_weights)
 
 
 @torch.library.custom_op(f"{_LIB}::mega_moe_bwd", mutates_args=())
@@ -55,8 +55,8 @@ def mega_moe_bwd(
 
 @mega_moe_bwd.register_fake
 def _(dy, saved, activation_clamp, plan):
-    _, topk_weights, l1_weights, l2_weights, *_ = saved
-    return (torch.empty_like(dy), torch.empty_like(topk_weights), torch.empty_like(l1_weights),
+    _, w_rows, l1_weights, l2_weights, *_ = saved  # w_rows: the dispatched weights, [R, K]
+    return (torch.empty_like(dy), w_rows.new_empty(dy.shape[0], w_rows.shape[1]), torch.empty_like(l1_weights),
             torch.empty_like(l2_weights))
 
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from . import _env
-from .comm import EXCHANGES
+from . import comm
 from .providers import PROVIDERS, GemmProvider, ScatterSlots, SwigluBackward, SwigluForward
 from .recipes import RECIPES as _RECIPE_OBJECTS
 from .recipes import Recipe
@@ -53,7 +53,8 @@ class Plan:
     provider          GEMM provider: "sm90" (our kernels), "grouped_mm" (torch), "loop" (experts one by
                       one, the CPU reference path), "deep_gemm" (upstream's kernels)
     recipe            "bf16" or "fp8"
-    exchange          token exchange between ranks: "local" (all experts on this rank)
+    exchange          token exchange between ranks: "local" (all experts on this rank) or
+                      "all_to_all:<group>:<E_loc>:<capacity>" (deep_gemm_ext.comm)
     align             rows per expert group of the pool
     compute_dtype     dtype of the pool, h and the GEMMs
     jit_routing       routing metadata from the JIT kernel (else torch ops)
@@ -94,7 +95,12 @@ class Plan:
     @property
     def tokens(self):
         """The token exchange (:mod:`deep_gemm_ext.comm`)."""
-        return EXCHANGES[self.exchange]
+        return comm.exchange(self.exchange)
+
+    @property
+    def exchanges_tokens(self) -> bool:
+        """Tokens travel between ranks (expert parallelism): dispatch's outputs are new tensors."""
+        return self.exchange != "local"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,6 +135,8 @@ class Plan:
                                          ("SwiGLU epilogues", self.swiglu_epilogues)) if on]
         if fusions:
             parts.append(", ".join(fusions))
+        if self.exchange != "local":
+            parts.append("tokens exchanged by all-to-all")
         return "; ".join(parts)
 
 
@@ -209,25 +217,40 @@ def choose_provider(device: torch.device, dtype: torch.dtype, facts: ShapeFacts,
     return "grouped_mm" if major >= 9 and facts.grouped_mm_groups else "loop"
 
 
+def resolve_exchange(x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.Tensor, group=None,
+                     ep_buffer=None) -> str:
+    """The token exchange of one call (``Plan.exchange``): ``"local"`` without a group or with a
+    group of one rank, else the all-to-all over ``group`` (already resolved to a ProcessGroup) with
+    ``ep_buffer``'s capacity, or the default buffer's (one all_reduce and a host sync per call)."""
+    if group is None or group.size() == 1:
+        return "local"
+    from .comm.all_to_all import default_ep_buffer
+
+    if ep_buffer is None:
+        ep_buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
+    return ep_buffer.exchange_spec(l1_weights.shape[0])
+
+
 def resolve_encoded(x: torch.Tensor, l1_weights: torch.Tensor, *, backend: str = "auto", recipe: str = "bf16",
-                    group=None) -> str:
+                    exchange: str = "local") -> str:
     """The plan for one call, as the string the custom ops take (arguments already validated by
-    :func:`deep_gemm_ext.validation.validate_inputs`). Under torch.compile it is a constant of the graph."""
+    :func:`deep_gemm_ext.validation.validate_inputs`; ``exchange`` from :func:`resolve_exchange`).
+    Under torch.compile it is a constant of the graph."""
     num_experts, two_i, hidden = l1_weights.shape
     facts = shape_facts(hidden, two_i // 2, num_experts)
     return _resolve_encoded(x.device.type, -1 if x.device.index is None else x.device.index, x.dtype, *facts,
-                            backend, recipe)
+                            backend, recipe, exchange)
 
 
 def resolve(x: torch.Tensor, l1_weights: torch.Tensor, *, backend: str = "auto", recipe: str = "bf16",
-            group=None) -> Plan:
+            exchange: str = "local") -> Plan:
     """:func:`resolve_encoded`, decoded."""
-    return Plan.decode(resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, group=group))
+    return Plan.decode(resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, exchange=exchange))
 
 
 @torch._dynamo.assume_constant_result
 def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm90_gemm: bool, swiglu_epilogue: bool,
-                     grouped_mm_groups: bool, backend: str, recipe: str) -> str:
+                     grouped_mm_groups: bool, backend: str, recipe: str, exchange: str) -> str:
     device = torch.device(device_type) if device_index < 0 else torch.device(device_type, device_index)
     facts = ShapeFacts(sm90_gemm, swiglu_epilogue, grouped_mm_groups)
     provider = choose_provider(device, dtype, facts, backend, recipe)
@@ -240,7 +263,7 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
     plan = Plan(
         provider=provider,
         recipe=recipe,
-        exchange="local",
+        exchange=exchange,
         align=math.lcm(gemms.row_alignment, precision.row_alignment),
         compute_dtype=compute,
         jit_routing=jit,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import plan
+from .comm.all_to_all import EpBuffer, resolve_group
 from .plan import unsupported_shape_reason
 
 __all__ = ["MoEShape", "check_alignment", "check_expert_ids", "unsupported_shape_reason", "validate_inputs"]
@@ -18,6 +19,7 @@ class MoEShape:
     top_k: int
     num_experts: int
     intermediate: int
+    group: object = None  # the expert-parallel ProcessGroup (a DeviceMesh resolved), or None
 
 
 def _tensor(name: str, value) -> torch.Tensor:
@@ -45,7 +47,7 @@ def compute_float_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
 
 
 def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=None, recipe="bf16",
-                    activation_clamp=None, backend="auto") -> MoEShape:
+                    activation_clamp=None, backend="auto", ep_buffer=None) -> MoEShape:
     x = _tensor("x", x)
     topk_idx = _tensor("topk_idx", topk_idx)
     topk_weights = _tensor("topk_weights", topk_weights)
@@ -58,14 +60,15 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
             raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
         if not (activation_clamp > 0 and activation_clamp != float("inf")):
             raise ValueError(f"activation_clamp={activation_clamp} must be a finite positive number or None")
-    if group is not None:
-        if not callable(getattr(group, "size", None)):
-            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-        size = group.size()
-        if size != 1:
-            raise NotImplementedError(
-                f"group of size {size}: expert parallelism over several ranks is not available yet; "
-                f"pass group=None (all experts local) or a group of size 1")
+    group = resolve_group(group)
+    if ep_buffer is not None:
+        if not isinstance(ep_buffer, EpBuffer):
+            raise TypeError(f"ep_buffer must be a deep_gemm_ext.EpBuffer or None, got {type(ep_buffer).__name__}")
+        if group is None:
+            raise ValueError("ep_buffer is given but group is None; pass the group the buffer was made for")
+        if ep_buffer.group is not group:
+            raise ValueError(f"ep_buffer was made for group {ep_buffer.group_name!r} but group is "
+                             f"{group.group_name!r}; expected the same group")
 
     _check_dim("x", x, 2, "[num_tokens, hidden]")
     _check_dim("topk_idx", topk_idx, 2, "[num_tokens, top_k]")
@@ -121,10 +124,17 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
                     ("l1_weights", l1_weights), ("l2_weights", l2_weights)):
         _check_contiguous(name, t)
 
+    if ep_buffer is not None:
+        for name, want, got in (("hidden", ep_buffer.hidden, hidden), ("top_k", ep_buffer.top_k, top_k),
+                                ("dtype", ep_buffer.dtype, x.dtype)):
+            if want != got:
+                raise ValueError(f"ep_buffer has {name}={want} but the inputs have {name}={got}; expected an "
+                                 f"EpBuffer made for these shapes")
+
     reason = plan.shape_reason_for_backend(backend, recipe, device, hidden, intermediate)
     if reason is not None:
         raise ValueError(reason)
-    return MoEShape(num_tokens, hidden, top_k, num_experts, intermediate)
+    return MoEShape(num_tokens, hidden, top_k, num_experts, intermediate, group)
 
 
 def check_alignment(**tensors: torch.Tensor) -> None:

@@ -51,12 +51,13 @@ def test_bad_input(over, exc, msg):
         call(**over)
 
 
-def test_group_of_several_ranks_is_refused():
+def test_group_must_be_a_process_group_or_mesh():
     class FakeGroup:
         def size(self):
             return 4
 
-    with pytest.raises(NotImplementedError, match="group of size 4"):
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
+                                        "got FakeGroup"):
         call(group=FakeGroup())
 
 

@@ -9,7 +9,15 @@ autograd, the layer's backward calls the adjoints itself:
     dispatch_backward(dx_r, dw_r, handle) -> (dx, d topk_weights)       the adjoint of dispatch
 
 ``handle`` is a list of tensors (saved for the backward like any other tensor of the layer).
-``"local"``: every expert is on this rank; the pieces are the identity.
+A plan names its exchange by a string (:func:`exchange`):
+
+- ``"local"``: every expert is on this rank; the pieces are the identity.
+- ``"all_to_all:<group name>:<E_loc>:<max_tokens_per_rank>"``: expert parallelism over a
+  torch.distributed group (:mod:`deep_gemm_ext.comm.all_to_all`).
+
+Besides the four pieces an exchange tells the layer the sizes it produces (for the custom ops'
+fake implementations): ``received_rows(T)``, ``handle_like(x, topk_idx)`` and
+``num_experts(E_loc)``, the range of the ids in ``topk_idx``.
 """
 from __future__ import annotations
 
@@ -31,7 +39,30 @@ class LocalExchange:
     def dispatch_backward(self, dx_r: torch.Tensor, dw_r: torch.Tensor, handle: list):
         return dx_r, dw_r
 
+    def received_rows(self, num_tokens: int) -> int:
+        return num_tokens
 
-EXCHANGES = {"local": LocalExchange()}
+    def handle_like(self, x: torch.Tensor, topk_idx: torch.Tensor) -> list[torch.Tensor]:
+        return []
 
-__all__ = ["EXCHANGES", "LocalExchange"]
+    def num_experts(self, num_local_experts: int) -> int:
+        return num_local_experts
+
+
+_LOCAL = LocalExchange()
+
+
+def exchange(spec: str):
+    """The exchange a plan names (see the module docstring)."""
+    if spec == "local":
+        return _LOCAL
+    kind, _, args = spec.partition(":")
+    if kind == "all_to_all":
+        from .all_to_all import exchange_from_name
+
+        group_name, num_local, capacity = args.rsplit(":", 2)
+        return exchange_from_name(group_name, int(num_local), int(capacity))
+    raise ValueError(f"exchange {spec!r}: expected 'local' or 'all_to_all:<group>:<E_loc>:<capacity>'")
+
+
+__all__ = ["LocalExchange", "exchange"]
