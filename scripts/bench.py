@@ -67,7 +67,8 @@ def _variant_env(backend: str) -> dict[str, str]:
             "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
                                  "tma" if "gather-tma" in backend else "cp_async"),
             "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0",
-            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}
+            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
+            "DGE_GEMM_SCHEDULE": "pingpong" if "pingpong" in backend else "cooperative"}
 
 
 BASE = ("grouped_mm", "torch", "bf16")
@@ -134,6 +135,10 @@ def implementations(with_loop: bool, all_variants: bool = False, compiled: bool 
         skips[LIGER] = reason
     impls[("ours", "auto", "bf16")] = Impl(_ours())
     # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
+    # Our GEMMs on the ping-pong consumer schedule (DGE_GEMM_SCHEDULE=pingpong), alone and with the
+    # SwiGLU epilogues it may make pay.
+    impls[("ours", "auto+pingpong", "bf16")] = Impl(_ours())
+    impls[("ours", "auto+pingpong+fused-swiglu", "bf16")] = Impl(_ours())
     impls[("ours", "auto+fused-swiglu", "bf16")] = Impl(_ours())
     # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself,
     # and gathering x with 1-row TMA boxes rather than cp.async.
