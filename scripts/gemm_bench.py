@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
-from deep_gemm_ext.routing import compute_routing_torch
-from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg  # noqa: E402
+from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms  # noqa: E402
 
 _SCHEDULE_WORKLOADS = ("qwen3-30b-a3b-t16384", "qwen3-235b-a22b-t8192")
 

@@ -149,13 +149,14 @@ def ep_layer(x, topk_idx, topk_weights, l1, l2, group, buffer=None, clamp=None):
 # Scenarios (run on every rank)
 
 
-def _run_layer(rank, world, device, inputs, buffer, clamp):
+def _run_layer(rank, world, device, inputs, buffer, clamp, group=None):
+    group = dist.group.WORLD if group is None else group
     xs, idxs, ws, l1, l2, dys = inputs
     x, w = xs[rank].clone().requires_grad_(True), ws[rank].clone().requires_grad_(True)
     mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
     l1_loc = l1[mine].clone().requires_grad_(True)
     l2_loc = l2[mine].clone().requires_grad_(True)
-    y = ep_layer(x, idxs[rank], w, l1_loc, l2_loc, dist.group.WORLD, buffer, clamp)
+    y = ep_layer(x, idxs[rank], w, l1_loc, l2_loc, group, buffer, clamp)
     y.backward(dys[rank])
     return y.detach(), x.grad, w.grad, l1_loc.grad, l2_loc.grad
 
@@ -314,7 +315,8 @@ def default_buffer_and_mesh(rank, world, device, seed):
     assert resolve_group(mesh) is mesh.get_group()
     inputs = global_inputs(seed, world, counts, "uniform", torch.float64, device)
     via_pg = _run_layer(rank, world, device, inputs, EpBuffer(dist.group.WORLD, 5, H, K, torch.float64), None)
-    via_mesh = _run_layer(rank, world, device, inputs, EpBuffer(mesh, 5, H, K, torch.float64), None)
+    # The mesh's group (its own process group on some torch versions, WORLD on others) as the group.
+    via_mesh = _run_layer(rank, world, device, inputs, EpBuffer(mesh, 5, H, K, torch.float64), None, group=mesh)
     for a, b in zip(via_pg, via_mesh):
         assert torch.equal(a, b)
     if world == 4:

@@ -34,20 +34,29 @@ def register_transformers() -> str:
     except ImportError as exc:
         raise ImportError("register_transformers() needs transformers >= 5 (its ExpertsInterface in "
                           f"transformers.integrations.moe), which is not importable here: {exc}") from exc
+    _TRANSFORMERS.update(_transformers_names())
     ExpertsInterface.register(IMPLEMENTATION_NAME, transformers_experts_forward)
     return IMPLEMENTATION_NAME
 
 
+#: transformers' SiLU class and default gate, looked up at registration: the experts forward must not
+#: import (torch.compile cannot trace an import of transformers' lazy modules).
+_TRANSFORMERS: dict = {}
+
+
+def _transformers_names() -> dict:
+    from transformers import activations
+    from transformers.integrations import moe
+    return {"silu": getattr(activations, "SiLUActivation", nn.SiLU),
+            "default_gate": getattr(moe, "_default_apply_gate", None)}
+
+
 def _is_silu(act) -> bool:
-    if isinstance(act, nn.SiLU) or act is torch.nn.functional.silu:
-        return True
-    from transformers import activations  # the experts module exists, so transformers imports
-    return isinstance(act, getattr(activations, "SiLUActivation", nn.SiLU))
+    return isinstance(act, (nn.SiLU, _TRANSFORMERS["silu"])) or act is torch.nn.functional.silu
 
 
 def _has_default_gate(experts_class: type) -> bool:
-    from transformers.integrations import moe
-    return getattr(experts_class, "_apply_gate", None) is getattr(moe, "_default_apply_gate", None)
+    return getattr(experts_class, "_apply_gate", None) is _TRANSFORMERS["default_gate"]
 
 
 def _unsupported_reason(experts) -> str | None:
@@ -76,6 +85,8 @@ def _unsupported_reason(experts) -> str | None:
 
 
 def _check_supported(experts) -> None:
+    if not _TRANSFORMERS:  # registered by other means than register_transformers()
+        _TRANSFORMERS.update(_transformers_names())
     reason = _unsupported_reason(experts)
     if reason is not None:
         model_type = getattr(getattr(experts, "config", None), "model_type", "?")
