@@ -82,13 +82,13 @@ def run_scenario(world: int, scenario: str, backend: str = "gloo") -> None:
         scenarios = SCENARIOS[world] if backend == "gloo" else GPU_SCENARIOS
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), backend, scenarios, seed, tmp), nprocs=world)
-            _VERDICTS[key] = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
-    verdicts = _VERDICTS[key]
+            _VERDICTS[key] = (seed, [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)])
+    seed, verdicts = _VERDICTS[key]
     not_run = "not run: an earlier scenario failed in this group of processes"
     failures = [f"rank {r}:\n{v.get(scenario, not_run)}" for r, v in enumerate(verdicts)
                 if v.get(scenario, not_run) is not None]
     if failures:
-        pytest.fail(f"{scenario} on {world} ranks ({backend}):\n" + "\n".join(failures), pytrace=False)
+        pytest.fail(f"{scenario} on {world} ranks ({backend}, seed {seed}):\n" + "\n".join(failures), pytrace=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,7 +189,8 @@ def layer_matches_reference(rank, world, device, seed):
         ref_y, ref_dx, ref_dw, ref_dl1, ref_dl2 = reference_grads(*inputs, clamp)
         mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
         refs = (ref_y[rank], ref_dx[rank], ref_dw[rank], ref_dl1[mine], ref_dl2[mine])
-        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+        # fp64: as the CPU fuzz; a one-token d topk_weights is a sum with cancellation, seen at 9e-12.
+        tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
         for name, out, ref in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), got, refs):
             assert out.shape == ref.shape, (case, name, out.shape, ref.shape)
             if ref.numel():
@@ -429,10 +430,10 @@ def module_and_compile(rank, world, device, seed):
                            ("d_l1", moe.l1_weights.grad, ref_dl1[mine]), ("d_l2", moe.l2_weights.grad, ref_dl2[mine])):
         assert out.shape == ref.shape
         if ref.numel():
-            assert rel_err(out, ref) <= 1e-12, (name, rel_err(out, ref))
+            assert rel_err(out, ref) <= 1e-10, (name, rel_err(out, ref))
 
     buffer = EpBuffer(mesh, max(counts), H, K, torch.float64)
-    group = dist.group.WORLD
+    group = mesh.get_group()  # the buffer's group (WORLD itself on some torch versions, not on others)
 
     def layer(x, idx, w, l1_, l2_):
         return dge.mega_moe_train(x, idx, w, l1_, l2_, group=group, ep_buffer=buffer)
