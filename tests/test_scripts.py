@@ -158,9 +158,9 @@ def _copy_tree(dst: Path) -> Path:
     return dst
 
 
-def _compare(tree_a, tree_b, tmp_path):
+def _compare(tree_a, tree_b, tmp_path, *extra):
     cmd = [sys.executable, str(SCRIPTS / "compare_trees.py"), str(tree_a), str(tree_b), "--device", "cpu",
-           "--groups", "headline", "fuzz", "--fuzz-seeds", "0", "2", "--cache-root", str(tmp_path / "cache")]
+           "--groups", "headline", "fuzz", "--fuzz-seeds", "0", "2", "--cache-root", str(tmp_path / "cache"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
 
 
@@ -172,12 +172,13 @@ def test_compare_trees_same_tree_is_identical(tmp_path):
     assert _last_line(proc.stdout).startswith("| fuzz-seed-2 | 0.000e+00 | yes |")
 
 
-def test_compare_trees_reports_a_perturbed_tree(tmp_path):
+@pytest.mark.parametrize("hash_only", [False, True], ids=["tensors", "hashes"])
+def test_compare_trees_reports_a_perturbed_tree(tmp_path, hash_only):
     tree = _copy_tree(tmp_path / "perturbed")
     with open(tree / "deep_gemm_ext" / "__init__.py", "a") as f:
         f.write("\n_unperturbed = mega_moe_train\n\n\ndef mega_moe_train(x, *args, **kwargs):\n"
                 "    return _unperturbed(x, *args, **kwargs) * 1.0078125\n")
-    proc = _compare(ROOT, tree, tmp_path)
+    proc = _compare(ROOT, tree, tmp_path, *(["--hash-only"] if hash_only else []))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny-t48 ")]
     assert len(rows) == 1 and "| NO | y, dx, dtopk_w, dl1, dl2 |" in rows[0]
