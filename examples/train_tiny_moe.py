@@ -20,6 +20,7 @@ disagree:
 
     python examples/train_tiny_moe.py                      # GPU defaults: 300 steps, MoE-heavy sizes
     python examples/train_tiny_moe.py --tiny --steps 3     # CPU smoke run
+    python examples/train_tiny_moe.py --tiny --recipe fp8  # ours under the blockwise-fp8 recipe
 
 The runs step in turn (one step of each, then the next), so all see the same GPU state.
 On the GPU the expert-id range check is a device-side assertion (no host sync per layer);
@@ -124,7 +125,7 @@ class MoE(nn.Module):
         self.impl = impl
         self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
         self.experts = dge.MegaMoE(cfg.experts, cfg.hidden, cfg.intermediate, cfg.top_k, backend=cfg.backend,
-                                   device=device, dtype=dtype)
+                                   recipe=cfg.recipe, device=device, dtype=dtype)
 
     def forward(self, x):
         shape = x.shape
@@ -201,6 +202,8 @@ def parse_args(argv=None):
                    help="model dtype; default bfloat16 on GPU (the fast path), float32 on CPU")
     p.add_argument("--steps", type=int, default=None, help="default: 300 on GPU, 20 on CPU")
     p.add_argument("--tiny", action="store_true", help="small sizes for a CPU smoke run")
+    p.add_argument("--recipe", choices=("bf16", "fp8"), default="bf16",
+                   help="ours' precision recipe (fp8: blockwise, hidden and intermediate multiples of 128)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--experts", type=int, default=64)
@@ -224,6 +227,8 @@ def parse_args(argv=None):
     if args.tiny:
         args.hidden, args.intermediate, args.experts, args.top_k = 64, 32, 8, 2
         args.layers, args.heads, args.vocab, args.seq, args.batch = 2, 4, 128, 32, 2
+        if args.recipe == "fp8":  # 128x128 weight blocks
+            args.hidden, args.intermediate = 128, 128
     on_gpu = args.device.startswith("cuda")
     if args.steps is None:
         args.steps = 300 if on_gpu else 20
@@ -324,7 +329,7 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch * args.seq
     probe = torch.empty(1, args.hidden, device=device, dtype=dtype)
     probe_l1 = torch.empty(args.experts, 2 * args.intermediate, args.hidden, device="meta", dtype=dtype)
-    engine = plan.resolve(probe, probe_l1, backend=args.backend).describe()
+    engine = plan.resolve(probe, probe_l1, backend=args.backend, recipe=args.recipe).describe()
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"{dtype}, {args.steps} steps of {tokens_per_step} tokens; hidden {args.hidden}, "
           f"intermediate {args.intermediate}, {args.experts} experts, top-{args.top_k}, "

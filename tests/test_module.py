@@ -158,10 +158,12 @@ def test_meta_device_then_materialise():
     assert torch.isfinite(m.l1_weights).all() and m.l1_weights.std() > 0
 
 
-def test_train_tiny_moe_example_smoke(tmp_path):
-    """The example trains both implementations for 3 steps on CPU and agrees with itself."""
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_train_tiny_moe_example_smoke(tmp_path, recipe):
+    """The example trains both implementations for 3 steps on CPU; in bf16 (fp32 math on CPU) ours
+    agrees with the baseline to rounding, under the fp8 recipe (its emulation) within 1%."""
     cmd = [sys.executable, str(ROOT / "examples" / "train_tiny_moe.py"), "--device", "cpu", "--tiny",
-           "--steps", "3", "--out-dir", str(tmp_path)]
+           "--steps", "3", "--recipe", recipe, "--out-dir", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -169,4 +171,5 @@ def test_train_tiny_moe_example_smoke(tmp_path):
     record = json.loads((tmp_path / "train_tiny_moe.json").read_text())
     ours, base = record["curves"]["ours"]["loss"], record["curves"]["grouped_mm"]["loss"]
     assert len(ours) == len(base) == 3
-    assert max(abs(a - b) for a, b in zip(ours, base)) < 1e-4
+    tolerance = 1e-4 if recipe == "bf16" else 1e-2 * max(base)
+    assert max(abs(a - b) for a, b in zip(ours, base)) < tolerance
