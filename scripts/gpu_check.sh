@@ -1,22 +1,60 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: warm the JIT cache, run every test (GPU tests run there, CPU tests
-# too), then the benchmark; the short table comes last.
-# Usage: bash scripts/gpu_check.sh [OUT_DIR] [bench.py args...]
+# too), the fuzz, optionally the bit-identity check against an older tree, then the benchmarks; each
+# step has a time limit, logs go to OUT_DIR, and the short tables come last.
+#
+# Usage: bash scripts/gpu_check.sh [OUT_DIR] [STEP ...]
+#   steps (default: all): build tests fuzz compare bench transformers schedules
+#   OLD_TREE=/path/to/older/tree  compare: y and gradients bit for bit against that tree (--hash-only)
+#   BENCH_ARGS="--workloads ..."  extra arguments of scripts/bench.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/dge_gpu_check}}
 [ $# -gt 0 ] && shift
+steps=${*:-build tests fuzz compare bench transformers schedules}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 DGE_JIT_CACHE_DIR=${DGE_JIT_CACHE_DIR:-/tmp/dge_jit_cache}
+summary="$out/summary.txt"; : > "$summary"
+start=$(date +%s)
+note() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$summary"; }
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
-python3 -m deep_gemm_ext.jit build --arch sm_90a --all -j "$(nproc)" > "$out/jit_build.log" 2>&1 \
-  || { tail -20 "$out/jit_build.log"; exit 1; }
-tail -1 "$out/jit_build.log"
-# Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
-workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4" || echo "")
-python3 -m pytest -q -rs $workers --ignore=tests/test_gpu_fuzz.py tests > "$out/tests.log" 2>&1
-status=$?
-grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20; tail -1 "$out/tests.log"
-python3 scripts/bench.py --json "$out/h200.json" --png "$out/h200.png" "$@" 2>&1 | tee "$out/bench.log"
+if has build; then
+  timeout 600 python3 -m deep_gemm_ext.jit build --arch sm_90a --all -j "$(nproc)" > "$out/jit_build.log" 2>&1 \
+    || { tail -20 "$out/jit_build.log"; exit 1; }
+  note "build: $(tail -1 "$out/jit_build.log")"
+fi
+if has tests; then
+  # Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
+  timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py tests > "$out/tests.log" 2>&1 || status=1
+  note "tests: $(tail -1 "$out/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 | tee -a "$summary"
+fi
+if has fuzz; then
+  timeout 300 python3 -m pytest -q tests/test_gpu_fuzz.py > "$out/fuzz.log" 2>&1 || status=1
+  note "fuzz: $(tail -1 "$out/fuzz.log")"
+fi
+if has compare && [ -n "${OLD_TREE:-}" ]; then
+  timeout 900 python3 scripts/compare_trees.py "$OLD_TREE" . --hash-only --cache-root "$out/compare_cache" \
+    --work-dir "$out/compare_work" > "$out/compare.log" 2>&1 || status=1
+  note "compare against $OLD_TREE: $(grep -E 'cases identical' "$out/compare.log" | tail -1)"
+fi
+if has bench; then
+  timeout 900 python3 scripts/bench.py --json "$out/h200.json" --png "$out/h200.png" ${BENCH_ARGS:-} \
+    > "$out/bench.log" 2>&1 || status=1
+  note "bench"; grep -E "^\||not measured" "$out/bench.log" | tee -a "$summary"
+fi
+if has transformers; then
+  timeout 300 python3 scripts/bench_transformers.py --json "$out/bench_transformers.json" > "$out/bench_tf.log" 2>&1 \
+    || status=1
+  note "transformers"; grep -E "^\|" "$out/bench_tf.log" | tee -a "$summary"
+fi
+if has schedules; then
+  timeout 300 python3 scripts/gemm_bench.py --schedules > "$out/gemm_schedules.log" 2>&1 || status=1
+  note "GEMM schedules"; grep -E "^\|" "$out/gemm_schedules.log" | tee -a "$summary"
+fi
+echo "===== summary"; cat "$summary"
 exit $status
