@@ -38,7 +38,7 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     group = validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, group=group, recipe=recipe,
                             activation_clamp=activation_clamp, backend=backend, ep_buffer=ep_buffer).group
     clamp = None if activation_clamp is None else float(activation_clamp)
-    exchange = plan.resolve_exchange(x, topk_idx, l1_weights, group, ep_buffer)
+    exchange = plan.resolve_exchange(x, topk_idx, l1_weights, group, ep_buffer, recipe)
     encoded = plan.resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, exchange=exchange)
     return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights, clamp,
                                                 encoded)[0]

@@ -54,7 +54,8 @@ class Plan:
                       one, the CPU reference path), "deep_gemm" (upstream's kernels)
     recipe            "bf16" or "fp8"
     exchange          token exchange between ranks: "local" (all experts on this rank) or
-                      "all_to_all:<group>:<E_loc>:<capacity>" (deep_gemm_ext.comm)
+                      "all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>" (deep_gemm_ext.comm; "fp8": x's
+                      rows travel in e4m3 with 1x128 scales, under recipe="fp8")
     align             rows per expert group of the pool
     compute_dtype     dtype of the pool, h and the GEMMs
     jit_routing       routing metadata from the JIT kernel (else torch ops)
@@ -136,7 +137,7 @@ class Plan:
         if fusions:
             parts.append(", ".join(fusions))
         if self.exchange != "local":
-            parts.append("tokens exchanged by all-to-all")
+            parts.append("tokens exchanged by all-to-all" + (" (fp8 rows)" if self.exchange.endswith(":fp8") else ""))
         return "; ".join(parts)
 
 
@@ -218,17 +219,19 @@ def choose_provider(device: torch.device, dtype: torch.dtype, facts: ShapeFacts,
 
 
 def resolve_exchange(x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.Tensor, group=None,
-                     ep_buffer=None) -> str:
+                     ep_buffer=None, recipe: str = "bf16") -> str:
     """The token exchange of one call (``Plan.exchange``): ``"local"`` without a group or with a
     group of one rank, else the all-to-all over ``group`` (already resolved to a ProcessGroup) with
-    ``ep_buffer``'s capacity, or the default buffer's (one all_reduce and a host sync per call)."""
+    ``ep_buffer``'s capacity, or the default buffer's (one all_reduce and a host sync per call).
+    Under ``recipe="fp8"`` dispatch sends x's rows in fp8: the L1 forward quantizes them 1x128 along
+    H anyway, and quantizing at the source is that same quantization point (comm.all_to_all)."""
     if group is None or group.size() == 1:
         return "local"
     from .comm.all_to_all import default_ep_buffer
 
     if ep_buffer is None:
         ep_buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
-    return ep_buffer.exchange_spec(l1_weights.shape[0])
+    return ep_buffer.exchange_spec(l1_weights.shape[0], fp8_rows=recipe == "fp8")
 
 
 def resolve_encoded(x: torch.Tensor, l1_weights: torch.Tensor, *, backend: str = "auto", recipe: str = "bf16",

@@ -39,8 +39,8 @@ TIMEOUT = timedelta(seconds=60)  # a hang in a collective fails the test instead
 
 SCENARIOS = {
     2: ["exchange_pieces", "layer_matches_reference", "default_buffer_and_mesh", "api_bad_inputs",
-        "bad_inputs", "module_and_compile", "fp8_recipe"],
-    3: ["exchange_pieces", "layer_matches_reference"],
+        "bad_inputs", "module_and_compile", "fp8_recipe", "fp8_dispatch"],
+    3: ["exchange_pieces", "layer_matches_reference", "fp8_dispatch"],
     4: ["layer_matches_reference", "default_buffer_and_mesh"],
 }
 #: What the nccl variants run (on GPUs the layer computes in bf16 only).
@@ -202,10 +202,10 @@ def layer_matches_reference(rank, world, device, seed):
             assert torch.equal(a, b)
 
 
-def _expected_rows(rank, world, xs, idxs, ws, cap):
+def _expected_rows(rank, world, xs, idxs, ws, cap, hidden=H):
     """What dispatch must deliver to ``rank``, built independently with loops."""
     rows = world * cap
-    x_r = torch.zeros(rows, H, dtype=xs[0].dtype)
+    x_r = torch.zeros(rows, hidden, dtype=xs[0].dtype)
     idx_r = torch.full((rows, K), -1, dtype=torch.int32)
     w_r = torch.zeros(rows, K, dtype=ws[0].dtype)
     for src in range(world):
@@ -309,6 +309,14 @@ def default_buffer_and_mesh(rank, world, device, seed):
     assert exchange is exchange_from_name(buf.group_name, E_LOC, max(counts))
     assert (exchange.num_local_experts, exchange.capacity, exchange.num_rows) == (E_LOC, max(counts), world * max(counts))
     assert ep_memory_bytes(world, 10, H, K, torch.bfloat16) == 2 * world * 10 * (H * 2 + K * 8)
+    # fp8 rows: H e4m3 bytes and one fp32 scale per 128 sent and received, plus the dequantized bf16 rows.
+    assert ep_memory_bytes(world, 10, 200, K, torch.bfloat16, fp8_rows=True) == world * 10 * (
+        2 * (200 + 4 * 2 + K * 8) + 200 * 2)
+    fp8_exchange = comm.exchange(buf.exchange_spec(E_LOC, fp8_rows=True))
+    assert fp8_exchange.fp8_rows and not exchange.fp8_rows and fp8_exchange is not exchange
+    with pytest.raises(ValueError, match=r"exchange 'all_to_all:g:2:8:int8': expected 'local' or "
+                                         r"'all_to_all:<group>:<E_loc>:<capacity>:<x\|fp8>'"):
+        comm.exchange("all_to_all:g:2:8:int8")
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -479,6 +487,13 @@ def fp8_recipe(rank, world, device, seed):
     emulated = fp8_reference_layer(torch.cat(xs), torch.cat(idxs), torch.cat(ws), l1, l2, None, torch.cat(dys))
     exact = reference_grads(*inputs, None)
     lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    # x's rows travel in fp8 under this recipe (the plan's choice), in x's dtype under bf16.
+    from deep_gemm_ext import plan as plan_mod
+
+    specs = {r: plan_mod.resolve_exchange(leaves[0], idxs[rank], leaves[2], dist.group.WORLD, recipe=r)
+             for r in ("fp8", "bf16")}
+    assert specs["fp8"].endswith(":fp8") and specs["bf16"].endswith(":x"), specs
+    assert comm.exchange(specs["fp8"]).fp8_rows and not comm.exchange(specs["bf16"]).fp8_rows
     names = ("y", "dx", "d_topk_weights", "d_l1", "d_l2")
     for i, name in enumerate(names):
         per_token = i < 3
@@ -491,6 +506,63 @@ def fp8_recipe(rank, world, device, seed):
         else:
             limit = 1.5 * rel_err(emu, ref) + 1e-3
             assert rel_err(got[i], ref) <= limit, f"rank {rank}: {name} {rel_err(got[i], ref):.3g} > {limit:.3g}"
+
+
+def fp8_dispatch(rank, world, device, seed):
+    """Dispatch with fp8 rows sends e4m3 data and fp32 1x128 scales (about half of bf16's bytes);
+    the received rows, quantized again as the L1 forward does, give back the sender's data and
+    scales bit for bit (ragged last tile, tiny, huge, all-zero and non-finite rows, every input
+    dtype); ids and weights travel as with rows in x's dtype."""
+    from deep_gemm_ext.recipes.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
+
+    hidden, cap = 200, 8  # two tiles a row, the second ragged (72 elements)
+    counts = [5, 0, 7, 3][:world]
+    g = torch.Generator().manual_seed(seed)
+    idxs = [make_routing(n, world * E_LOC, K, "unused_slots", generator=g) for n in counts]
+    ws = [torch.rand(n, K, generator=g) for n in counts]
+    base = [torch.randn(n, hidden, generator=g, dtype=torch.float64) for n in counts]
+    for x in base:  # rows of very different magnitudes, a zero row and non-finite elements
+        if len(x) >= 4:
+            x[0] *= 1e-30
+            x[1] *= 1e4
+            x[2] = 0
+            x[3, 5], x[3, 150], x[3, 7] = float("inf"), float("nan"), -float("inf")
+    exchange = AllToAllExchange(dist.group.WORLD, E_LOC, cap, fp8_rows=True)
+    plain = AllToAllExchange(dist.group.WORLD, E_LOC, cap)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        xs = [x.to(dtype) for x in base]
+        x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+        exp_x, exp_idx, exp_w = _expected_rows(rank, world, xs, idxs, ws, cap, hidden)
+        x_r, idx_r, w_r, handle = exchange.dispatch(x, idx, w)
+        assert x_r.dtype == dtype and x_r.shape == (world * cap, hidden)
+        assert torch.equal(idx_r.cpu(), exp_idx) and torch.equal(w_r.cpu(), exp_w)
+        # The received rows are the sender's 1x128 quantization, dequantized (zero where nothing was sent).
+        want_q, want_s = quantize_rows(exp_x)
+        torch.testing.assert_close(x_r.cpu(), dequantize_rows(want_q, want_s).to(dtype), rtol=0, atol=0,
+                                   equal_nan=True)
+        assert x_r.isnan().sum() == 3 * exp_x.isnan().any(-1).sum()  # Inf travels as NaN (e4m3fn has no Inf)
+        # Quantizing them again, as the L1 forward does: the same e4m3 bytes and the same scales.
+        got_q, got_s = quantize_rows(x_r.cpu())
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), dtype
+        assert torch.equal(got_s, want_s), dtype
+        # What travels: uint8 rows of e4m3 data then fp32 scale bytes, H + 4 * ceil(H / 128) a row.
+        sent_rows = exchange.send_rows(x, handle[0]).cpu()
+        assert sent_rows.dtype == torch.uint8 and sent_rows.shape == (world * cap, hidden + 8)
+        bf16_rows = plain.send_rows(x.bfloat16(), handle[0])
+        assert sent_rows.numel() <= 0.55 * bf16_rows.numel() * bf16_rows.element_size()
+        q, sc = quantize_rows(x.cpu())
+        for d in range(world):
+            block = sent_rows.view(world, cap, -1)[d]
+            for t in range(cap):
+                if t < len(x) and handle[0][d, t]:
+                    assert torch.equal(block[t, :hidden].view(FP8_DTYPE).view(torch.uint8), q[t].view(torch.uint8))
+                    assert torch.equal(block[t, hidden:].view(torch.float32), sc[t])
+                else:
+                    assert not block[t].any()
+        # Ids and weights are exactly those of the dispatch in x's dtype.
+        plain_out = plain.dispatch(x, idx, w)
+        assert torch.equal(plain_out[1], idx_r) and torch.equal(plain_out[2], w_r)
+        assert all(torch.equal(a, b) for a, b in zip(plain_out[3], handle))
 
 
 def gpu_kernels_and_cuda_graph(rank, world, device, seed):
@@ -586,6 +658,31 @@ def test_module_and_compile():
 
 def test_fp8_recipe():
     run_scenario(2, "fp8_recipe")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp8_dispatch(world):
+    run_scenario(world, "fp8_dispatch")
+
+
+def test_fp8_rows_requantize_exactly():
+    """The identity fp8 dispatch rests on: quantize_rows(dequantize_rows(q, s)) == (q, s) bit for bit,
+    held in fp32 or rounded to bf16. Each tile's amax runs over every 128th fp32 mantissa of a binade,
+    scaled by powers of two from near the scale floor to 2^100 (the rest of the tile below it)."""
+    from deep_gemm_ext.recipes.fp8 import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    mantissas = torch.arange(0x3F800000, 0x40000000, 128, dtype=torch.int32).view(torch.float32)
+    exponents = torch.randint(-110, 100, mantissas.shape, generator=g).float()
+    amax = mantissas * torch.exp2(exponents)
+    rest = torch.rand(len(amax), 127, generator=g) * 2 - 1
+    x = torch.cat([amax[:, None], amax[:, None] * rest], dim=1)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, s = quantize_rows(x.to(dtype))
+        back = dequantize_rows(q, s).to(dtype)
+        q2, s2 = quantize_rows(back)
+        assert torch.equal(s2, s), (dtype, int((s2 != s).sum()))
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), dtype
 
 
 @_gpu(2)

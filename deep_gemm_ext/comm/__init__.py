@@ -12,8 +12,9 @@ autograd, the layer's backward calls the adjoints itself:
 A plan names its exchange by a string (:func:`exchange`):
 
 - ``"local"``: every expert is on this rank; the pieces are the identity.
-- ``"all_to_all:<group name>:<E_loc>:<max_tokens_per_rank>"``: expert parallelism over a
-  torch.distributed group (:mod:`deep_gemm_ext.comm.all_to_all`).
+- ``"all_to_all:<group name>:<E_loc>:<max_tokens_per_rank>:<rows>"``: expert parallelism over a
+  torch.distributed group (:mod:`deep_gemm_ext.comm.all_to_all`); dispatch sends x's rows in x's
+  dtype (``rows`` "x") or in the fp8 recipe's e4m3 with 1x128 scales ("fp8").
 
 Besides the four pieces an exchange tells the layer the sizes it produces (for the custom ops'
 fake implementations): ``received_rows(T)``, ``handle_like(x, topk_idx)`` and
@@ -60,9 +61,11 @@ def exchange(spec: str):
     if kind == "all_to_all":
         from .all_to_all import exchange_from_name
 
-        group_name, num_local, capacity = args.rsplit(":", 2)
-        return exchange_from_name(group_name, int(num_local), int(capacity))
-    raise ValueError(f"exchange {spec!r}: expected 'local' or 'all_to_all:<group>:<E_loc>:<capacity>'")
+        parts = args.rsplit(":", 3)
+        if len(parts) == 4 and parts[3] in ("x", "fp8"):
+            group_name, num_local, capacity, rows = parts
+            return exchange_from_name(group_name, int(num_local), int(capacity), rows == "fp8")
+    raise ValueError(f"exchange {spec!r}: expected 'local' or 'all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>'")
 
 
 __all__ = ["LocalExchange", "exchange"]

@@ -18,6 +18,17 @@ exchange can be captured in a CUDA graph.
 Sums over ranks (combine, dx) run in rank order in fp32 (fp64 for fp64 inputs) and round once:
 the results are deterministic and do not depend on which ranks answered first.
 
+Rows in fp8 (``fp8_rows``, the plan's choice under ``recipe="fp8"``): dispatch sends x's rows as
+the recipe's e4m3 data with their 1x128 fp32 scales (``quantize_rows``; ``H + 4 * ceil(H / 128)``
+bytes a row, about half of bf16's), one uint8 buffer, and the receiving rank dequantizes them into
+x's dtype. This is the quantization point the L1 forward has anyway (x 1x128 along H): quantizing
+the dequantized rows again gives back the same e4m3 data and the same scales, bit for bit (for
+bf16, fp32 and fp64 x: the tile's largest element dequantizes to a value whose amax / 448 is the
+original scale), so the L1 forward and everything after it compute what one process computes. The
+weight gradient dW1 reads the received rows, i.e. x after the 1x128 quantization (then its own
+128x1 quantization under ``wgrad="fp8"``), where one process reads x itself. The backward's
+exchanges (combine, dispatch_backward) stay in the gradients' dtype.
+
 Waits are bounded by the process group's timeout (``timeout=`` of ``init_process_group`` /
 ``new_group``); with NCCL the watchdog aborts a collective that runs past it.
 """
@@ -26,6 +37,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ..recipes.fp8 import FP8_DTYPE, dequantize_rows, num_blocks, quantize_rows
 
 # Shapes and dtypes every rank must agree on before the first exchange (equal-split all-to-all
 # would otherwise mis-slice rows or hang). Dtypes travel as their index here.
@@ -50,16 +63,25 @@ def resolve_group(group):
                     f"{type(group).__name__}")
 
 
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one row of an fp8 dispatch: ``hidden`` e4m3 values and ``ceil(hidden / 128)`` fp32 scales."""
+    return hidden + 4 * num_blocks(hidden)
+
+
 def ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_k: int,
-                   dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.float32) -> int:
+                   dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.float32,
+                   fp8_rows: bool = False) -> int:
     """Bytes one ``dispatch`` allocates: the send and receive copies of ``W * max_tokens_per_rank``
-    token rows (``hidden`` elements of ``dtype``) and of their routing (``top_k`` int32 ids and
-    ``top_k`` weights of ``weight_dtype``). The received rows ``x_r`` are the layer's input and live
-    as long as it keeps them; each of ``combine``, ``combine_backward`` and ``dispatch_backward``
-    allocates at most as much again for the time of its call."""
+    token rows (``hidden`` elements of ``dtype``, or :func:`fp8_row_bytes` with ``fp8_rows``) and of
+    their routing (``top_k`` int32 ids and ``top_k`` weights of ``weight_dtype``). The received rows
+    ``x_r`` are the layer's input and live as long as it keeps them (in ``dtype`` also under
+    ``fp8_rows``, which adds them to the count); each of ``combine``, ``combine_backward`` and
+    ``dispatch_backward`` allocates at most as much again for the time of its call."""
     rows = world_size * max_tokens_per_rank
-    row_bytes = hidden * dtype.itemsize + top_k * (4 + weight_dtype.itemsize)
-    return 2 * rows * row_bytes
+    route_bytes = top_k * (4 + weight_dtype.itemsize)
+    if fp8_rows:
+        return rows * (2 * (fp8_row_bytes(hidden) + route_bytes) + hidden * dtype.itemsize)
+    return 2 * rows * (hidden * dtype.itemsize + route_bytes)
 
 
 class EpBuffer:
@@ -100,15 +122,17 @@ class EpBuffer:
     def group_name(self) -> str:
         return self.group.group_name
 
-    def exchange_spec(self, num_local_experts: int) -> str:
-        """How a plan names the exchange over this buffer for ``num_local_experts`` experts a rank."""
-        return f"all_to_all:{self.group_name}:{num_local_experts}:{self.max_tokens_per_rank}"
+    def exchange_spec(self, num_local_experts: int, fp8_rows: bool = False) -> str:
+        """How a plan names the exchange over this buffer for ``num_local_experts`` experts a rank,
+        sending x's rows in fp8 or in x's dtype."""
+        rows = "fp8" if fp8_rows else "x"
+        return f"all_to_all:{self.group_name}:{num_local_experts}:{self.max_tokens_per_rank}:{rows}"
 
-    def memory_bytes(self) -> int:
-        """Bytes one dispatch allocates (see :func:`ep_memory_bytes`)."""
+    def memory_bytes(self, fp8_rows: bool = False) -> int:
+        """Bytes one dispatch allocates (see :func:`ep_memory_bytes`; ``fp8_rows`` under recipe="fp8")."""
         weight_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ep_memory_bytes(self.group.size(), self.max_tokens_per_rank, self.hidden, self.top_k, self.dtype,
-                              weight_dtype)
+                              weight_dtype, fp8_rows)
 
     def __repr__(self) -> str:
         return (f"EpBuffer(group={self.group_name!r}, world_size={self.group.size()}, "
@@ -145,9 +169,10 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class AllToAllExchange:
     """The four exchange pieces for ``num_local_experts`` experts per rank and a capacity of
-    ``max_tokens_per_rank`` rows from each source (see the module docstring)."""
+    ``max_tokens_per_rank`` rows from each source; ``fp8_rows``: dispatch sends x's rows in the
+    fp8 recipe's 1x128 format (see the module docstring)."""
 
-    def __init__(self, group, num_local_experts: int, max_tokens_per_rank: int):
+    def __init__(self, group, num_local_experts: int, max_tokens_per_rank: int, fp8_rows: bool = False):
         self.group = resolve_group(group)
         if self.group is None:
             raise TypeError("group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None")
@@ -155,6 +180,7 @@ class AllToAllExchange:
         self.rank = self.group.rank()
         self.num_local_experts = int(num_local_experts)
         self.capacity = int(max_tokens_per_rank)
+        self.fp8_rows = bool(fp8_rows)
 
     @property
     def num_rows(self) -> int:
@@ -180,18 +206,18 @@ class AllToAllExchange:
 
     def _check_agreement(self, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
         """Once per shape class (group, capacity, hidden, top_k, dtype): every rank has the same E_loc,
-        capacity and shapes.
+        capacity, shapes and row format (fp8 or not: the recipe).
 
         One all_gather and a host sync; skipped while a CUDA graph is captured (run one eager step
         before capturing). The key leaves E_loc out on purpose: whether to check must be decided
-        alike on every rank, and E_loc is what may differ; so a rank that changes its E_loc in a
-        shape class the group already checked is not caught."""
+        alike on every rank, and E_loc (or the row format) is what may differ; so a rank that changes
+        its E_loc or recipe in a shape class the group already checked is not caught."""
         key = (self.group.group_name, self.capacity, hidden, top_k, dtype)
         if _AGREED.get(key) is self.group or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype")
-        mine = torch.tensor([self.num_local_experts, self.capacity, hidden, top_k, _DTYPES.index(dtype)],
-                            dtype=torch.int64, device=device)
+        names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype", "fp8_rows")
+        mine = torch.tensor([self.num_local_experts, self.capacity, hidden, top_k, _DTYPES.index(dtype),
+                             self.fp8_rows], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         table = [g.tolist() for g in gathered]
@@ -210,9 +236,9 @@ class AllToAllExchange:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """Send each token once to every rank that owns one of its experts.
 
-        Returns ``x_r [R, H]`` (x's dtype), ``idx_r [R, K]`` int32 local ids (-1: unused or
-        another rank's expert), ``w_r [R, K]`` (topk_weights' dtype, 0 where idx_r is -1) and the
-        handle the other pieces take."""
+        Returns ``x_r [R, H]`` (x's dtype; under ``fp8_rows`` x's rows quantized 1x128 and
+        dequantized), ``idx_r [R, K]`` int32 local ids (-1: unused or another rank's expert),
+        ``w_r [R, K]`` (topk_weights' dtype, 0 where idx_r is -1) and the handle the other pieces take."""
         num_tokens, hidden = x.shape
         top_k = topk_idx.shape[1]
         world, cap, num_local = self.world_size, self.capacity, self.num_local_experts
@@ -235,7 +261,7 @@ class AllToAllExchange:
         # Ids and weights travel together as bytes: one collective instead of two.
         send_meta = torch.cat([send_idx.view(torch.uint8), send_w.view(torch.uint8)], dim=-1)
 
-        x_r = self._all_to_all(self._scatter_to_ranks(x, sent))
+        x_r = self._received_rows(self._all_to_all(self.send_rows(x, sent)), hidden, x.dtype)
         meta_r = self._all_to_all(send_meta.view(world * cap, -1))
         idx_bytes = top_k * 4
         idx_r = meta_r[:, :idx_bytes].contiguous().view(torch.int32)
@@ -266,6 +292,22 @@ class AllToAllExchange:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def send_rows(self, x: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+        """What dispatch sends of x ``[R, ...]`` (``sent [W, T]``: which ranks each token goes to):
+        x's rows, or under ``fp8_rows`` uint8 rows of e4m3 data then the fp32 scales' bytes."""
+        if self.fp8_rows:
+            data, scale = quantize_rows(x)
+            x = torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+        return self._scatter_to_ranks(x, sent)
+
+    def _received_rows(self, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """x_r from what arrived: under ``fp8_rows`` dequantized (unsent rows, all zero bytes, give zeros)."""
+        if not self.fp8_rows:
+            return rows
+        data = rows[:, :hidden].contiguous().view(FP8_DTYPE)
+        scale = rows[:, hidden:].contiguous().view(torch.float32)
+        return dequantize_rows(data, scale).to(dtype)
+
     def _all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
         # Equal splits: block d of the input goes to rank d, block s of the output came from rank s.
         out = torch.empty_like(rows)
@@ -291,14 +333,15 @@ class AllToAllExchange:
 _EXCHANGES: dict[tuple, AllToAllExchange] = {}
 
 
-def exchange_from_name(group_name: str, num_local_experts: int, max_tokens_per_rank: int) -> AllToAllExchange:
+def exchange_from_name(group_name: str, num_local_experts: int, max_tokens_per_rank: int,
+                       fp8_rows: bool = False) -> AllToAllExchange:
     """The exchange for a group given by name (custom-op arguments can only be tensors, scalars and
     strings; functional collectives resolve groups the same way), cached per (group, E_loc,
-    capacity)."""
+    capacity, row format)."""
     group = _resolve_process_group(group_name)
-    key = (group_name, num_local_experts, max_tokens_per_rank)
+    key = (group_name, num_local_experts, max_tokens_per_rank, fp8_rows)
     exchange = _EXCHANGES.get(key)
     # Names are reused once a group is destroyed: a cached exchange of a dead group is rebuilt.
     if exchange is None or exchange.group is not group:
-        exchange = _EXCHANGES[key] = AllToAllExchange(group, num_local_experts, max_tokens_per_rank)
+        exchange = _EXCHANGES[key] = AllToAllExchange(group, num_local_experts, max_tokens_per_rank, fp8_rows)
     return exchange
