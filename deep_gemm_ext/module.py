@@ -22,7 +22,8 @@ def _group_size_and_rank(group) -> tuple[int, int]:
     if group is None:
         return 1, 0
     if not (hasattr(group, "size") and hasattr(group, "rank")):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(f"group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got "
+                        f"{type(group).__name__}")
     return int(group.size()), int(group.rank())
 
 

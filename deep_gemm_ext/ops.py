@@ -56,7 +56,8 @@ def mega_moe_bwd(
 @mega_moe_bwd.register_fake
 def _(dy, saved, activation_clamp, plan):
     _, w_rows, l1_weights, l2_weights, *_ = saved  # w_rows: the dispatched weights, [R, K]
-    return (torch.empty_like(dy), w_rows.new_empty(dy.shape[0], w_rows.shape[1]), torch.empty_like(l1_weights),
+    # dx is computed from dy.contiguous(): contiguous whatever dy's strides.
+    return (dy.new_empty(dy.shape), w_rows.new_empty(dy.shape[0], w_rows.shape[1]), torch.empty_like(l1_weights),
             torch.empty_like(l2_weights))
 
 

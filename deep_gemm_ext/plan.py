@@ -1,11 +1,13 @@
 """The plan: every decision about how one call of the layer runs, made once, in one place.
 
-``resolve(...)`` reads the ``backend`` / ``recipe`` / ``group`` arguments, the device's capability and
+``resolve(...)`` (with ``resolve_exchange`` for ``group``) reads the ``backend`` / ``recipe`` / ``group`` arguments, the device's capability and
 the ``DGE_*`` knobs (through :mod:`deep_gemm_ext._env`) and returns a :class:`Plan`: which GEMM
 provider runs the grouped GEMMs, under which precision recipe, over which token exchange, which
 steps are fused into the GEMMs, and the pool's row alignment. The layer (:mod:`deep_gemm_ext.layer`)
 and everything below it take the plan and decide nothing themselves: this is the only module that
-compares backend / recipe names or reads the environment for the layer.
+compares backend / recipe names or reads the environment for the layer. (Two knobs of the GEMM
+launchers themselves, ``DGE_GEMM_SCHEDULE`` and ``DGE_PRINT_CONFIGS``, are read at each launch in
+deep_gemm_ext.jit_kernels, through _env like every knob; the JIT compiler's ``DGE_JIT_*`` likewise.)
 
 A plan travels through the custom ops as a short string (``Plan.encode`` / ``decode``), so the fake
 implementations, ``setup_context`` and the backward all see the decisions of the forward.
@@ -65,6 +67,7 @@ class Plan:
     gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x)
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
+    fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
     """
@@ -324,7 +327,12 @@ def shape_reason_for_backend(backend: str, recipe: str, device: torch.device, hi
     reason = unsupported_shape_reason(hidden, intermediate, recipe, device.type)
     if reason is None and backend == "deep_gemm":
         deepgemm = PROVIDERS["deep_gemm"]
-        if device.type != "cuda":
+        if device.type == "meta":
+            # MegaMoE and MegaGroupedExperts check their options on meta tensors: the device is each
+            # call's, but a missing DeepGEMM is known now.
+            deepgemm.require()
+            reason = deepgemm.unsupported_shape_reason(hidden, intermediate, _RECIPE_OBJECTS[recipe])
+        elif device.type != "cuda":
             reason = f"backend='deep_gemm' needs CUDA tensors, got x on {device}"
         elif not deepgemm.is_available():
             deepgemm.require()  # raises RuntimeError saying how to install DeepGEMM

@@ -688,3 +688,23 @@ def test_fp8_rows_requantize_exactly():
 @_gpu(2)
 def test_gpu_kernels_and_cuda_graph():
     run_scenario(2, "gpu_kernels_and_cuda_graph", "nccl")
+
+
+def test_ids_past_every_rank_are_unused_slots(tmp_path):
+    """Ids >= W * E_loc (let through by DGE_CHECK_IDS=0 on CPU) go to no rank, and their weight
+    gradient is 0, as on one rank: no piece indexes out of bounds (one-rank group, in process)."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        exchange = comm.exchange(EpBuffer(dist.group.WORLD, 4, H, K, torch.float32).exchange_spec(E_LOC))
+        g = torch.Generator().manual_seed(3)
+        x, w = torch.randn(4, H, generator=g), torch.rand(4, K, generator=g)
+        idx = torch.tensor([[0, 1, E_LOC + 3], [-1, 1, 0], [E_LOC, -1, 1], [1, 0, -1]])
+        bad = (idx >= E_LOC) | (idx < 0)
+        x_r, idx_r, w_r, handle = exchange.dispatch(x, idx, w)
+        assert (idx_r[:4][bad] == -1).all() and (idx_r[:4][~bad] == idx[~bad]).all()
+        dx, dw = exchange.dispatch_backward(torch.randn_like(x_r), torch.randn_like(w_r), handle)
+        assert dx.shape == x.shape and (dw[bad] == 0).all() and (dw[~bad] != 0).all()
+    finally:
+        dist.destroy_process_group()

@@ -173,3 +173,22 @@ def test_train_tiny_moe_example_smoke(tmp_path, recipe):
     assert len(ours) == len(base) == 3
     tolerance = 1e-4 if recipe == "bf16" else 1e-2 * max(base)
     assert max(abs(a - b) for a, b in zip(ours, base)) < tolerance
+
+
+def test_deep_gemm_backend_is_checked_at_construction(monkeypatch):
+    """The constructor checks its options on meta tensors: backend='deep_gemm' is not refused for the
+    meta device, but a missing DeepGEMM is reported there, with the install hint."""
+    from deep_gemm_ext.providers import deepgemm
+
+    deepgemm._load.cache_clear()
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # `import deep_gemm` raises ImportError
+    try:
+        with pytest.raises(RuntimeError, match="DeepGEMM is not importable"):
+            dge.MegaMoE(4, 128, 128, 2, backend="deep_gemm")
+        with pytest.raises(RuntimeError, match="DeepGEMM is not importable"):
+            dge.MegaGroupedExperts(128, 128, 4, backend="deep_gemm")
+    finally:
+        deepgemm._load.cache_clear()
+    monkeypatch.setattr(deepgemm, "_deep_gemm", lambda: None)  # importable: the module builds
+    monkeypatch.setattr(deepgemm, "_load", lambda: (object(), None))
+    assert dge.MegaMoE(4, 128, 128, 2, backend="deep_gemm").backend == "deep_gemm"

@@ -250,7 +250,9 @@ class AllToAllExchange:
 
         ids = topk_idx.long()
         dest = torch.arange(world, device=x.device).view(world, 1, 1)
-        slot_rank = torch.where(ids >= 0, ids.div(num_local, rounding_mode="floor"), -1)  # [T, K]
+        # Ids outside [-1, W * E_loc) (let through by DGE_CHECK_IDS=0 on CPU) are unused slots, as on one rank.
+        valid = (ids >= 0) & (ids < world * num_local)
+        slot_rank = torch.where(valid, ids.div(num_local, rounding_mode="floor"), -1)       # [T, K]
         on_dest = slot_rank.unsqueeze(0) == dest                                            # [W, T, K]
         sent = on_dest.any(-1)                                                              # [W, T]
 

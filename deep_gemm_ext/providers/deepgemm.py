@@ -25,8 +25,7 @@ What DeepGEMM expects, and how the pool maps onto it:
   (``k_grouped_fp8_gemm_nt_contiguous``). Reading the counts costs one host synchronisation per
   backward.
 
-SM100 (Blackwell): :func:`mega_moe_forward_sm100` calls upstream's fused ``bf16_mega_moe`` /
-``fp8_fp4_mega_moe``. It is untested: no SM100 machine was available.
+SM100 (Blackwell): the same bf16 GEMM calls (untested: no SM100 machine was available).
 """
 from __future__ import annotations
 
@@ -193,7 +192,7 @@ class DeepGemmProvider(GemmProvider):
         return False
 
     def m_grouped(self, a, w, meta: RoutingMeta, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):
-        """Rows past ``meta.ends[-1]`` of the output are unspecified (the layer reads real rows only)."""
+        """Rows past ``meta.ends[-1]`` of the output are zero with ``zero_unowned``, else unspecified."""
         dg = _deep_gemm()
         _check_recipe(recipe.fp8, _arch_major("a", a))
         _check_pool("a", a, meta)
@@ -202,12 +201,12 @@ class DeepGemmProvider(GemmProvider):
         w = _weights("w", w, recipe.fp8, meta.num_experts, a.shape[1], 1 if transposed else 2)
         layout_rows = _cached(meta, "deep_gemm.m_indices", m_indices)
         if not recipe.fp8:
-            out = a.new_empty(a.shape[0], w.shape[2] if transposed else w.shape[1])
+            out = (a.new_zeros if zero_unowned else a.new_empty)(a.shape[0], w.shape[2] if transposed else w.shape[1])
             gemm = dg.m_grouped_bf16_gemm_nn_contiguous if transposed else dg.m_grouped_bf16_gemm_nt_contiguous
             gemm(a, w, out, layout_rows)
             return out
         b = w.kn if transposed else w.nk
-        out = a.new_empty(a.shape[0], b[0].shape[1])
+        out = (a.new_zeros if zero_unowned else a.new_empty)(a.shape[0], b[0].shape[1])
         dg.m_grouped_fp8_gemm_nt_contiguous(quantize_rows_fp8(a), b, out, layout_rows)
         return out
 
