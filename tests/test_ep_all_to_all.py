@@ -671,7 +671,8 @@ def test_fp8_rows_requantize_exactly():
     scaled by powers of two from near the scale floor to 2^100 (the rest of the tile below it)."""
     from deep_gemm_ext.recipes.fp8 import dequantize_rows, quantize_rows
 
-    g = torch.Generator().manual_seed(random.randrange(2**31))
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
     mantissas = torch.arange(0x3F800000, 0x40000000, 128, dtype=torch.int32).view(torch.float32)
     exponents = torch.randint(-110, 100, mantissas.shape, generator=g).float()
     amax = mantissas * torch.exp2(exponents)
@@ -681,8 +682,8 @@ def test_fp8_rows_requantize_exactly():
         q, s = quantize_rows(x.to(dtype))
         back = dequantize_rows(q, s).to(dtype)
         q2, s2 = quantize_rows(back)
-        assert torch.equal(s2, s), (dtype, int((s2 != s).sum()))
-        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), dtype
+        assert torch.equal(s2, s), (dtype, seed, int((s2 != s).sum()))
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), (dtype, seed)
 
 
 @_gpu(2)
