@@ -24,6 +24,7 @@ import torch
 
 from . import _env
 from . import comm
+from .comm.all_to_all import default_ep_buffer
 from .providers import PROVIDERS, GemmProvider, ScatterSlots, SwigluBackward, SwigluForward
 from .recipes import RECIPES as _RECIPE_OBJECTS
 from .recipes import Recipe
@@ -230,8 +231,6 @@ def resolve_exchange(x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.
     H anyway, and quantizing at the source is that same quantization point (comm.all_to_all)."""
     if group is None or group.size() == 1:
         return "local"
-    from .comm.all_to_all import default_ep_buffer
-
     if ep_buffer is None:
         ep_buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
     return ep_buffer.exchange_spec(l1_weights.shape[0], fp8_rows=recipe == "fp8")

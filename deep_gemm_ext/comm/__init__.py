@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .all_to_all import exchange_from_name
+
 
 class LocalExchange:
     """All experts on this rank: tokens stay where they are."""
@@ -59,8 +61,6 @@ def exchange(spec: str):
         return _LOCAL
     kind, _, args = spec.partition(":")
     if kind == "all_to_all":
-        from .all_to_all import exchange_from_name
-
         parts = args.rsplit(":", 3)
         if len(parts) == 4 and parts[3] in ("x", "fp8"):
             group_name, num_local, capacity, rows = parts

@@ -15,30 +15,11 @@ import threading
 import torch
 
 from . import compiler
+from .driver import check, driver
 from .tma import TensorMap
 
 _SCALAR_TYPES = frozenset({ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float})
 _MAX_PLANS = 256
-
-
-def driver():
-    """The cuda-python driver module, or a clear error where it is missing."""
-    try:
-        from cuda.bindings import driver as cuda_driver
-    except ImportError as exc:
-        raise RuntimeError("deep_gemm_ext.jit needs cuda-python (`pip install cuda-bindings`) to load and "
-                           "launch kernels") from exc
-    return cuda_driver
-
-
-def check(result, what: str):
-    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising RuntimeError on failure."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != 0:
-        cuda = driver()
-        name = cuda.cuGetErrorName(err)[1]
-        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name} ({int(err)})")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _require_cuda(what: str) -> None:

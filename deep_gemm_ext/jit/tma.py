@@ -5,6 +5,8 @@ import ctypes
 
 import torch
 
+from .driver import check, driver
+
 _TENSOR_MAP_BYTES = 128
 _TENSOR_MAP_ALIGN = 64
 
@@ -59,8 +61,6 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
     Defaults: ``cols = tensor.shape[-1]``, ``rows = numel // cols`` (a 3-D ``[E, N, K]`` weight is
     ``[E*N, K]``), ``row_stride_elems = cols``. Out-of-bounds boxes read zeros.
     """
-    from .runtime import check, driver
-
     if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
         raise ValueError(f"make_tma_2d: expected a CUDA tensor, got "
                          f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
