@@ -5,9 +5,10 @@ the ``DGE_*`` knobs (through :mod:`deep_gemm_ext._env`) and returns a :class:`Pl
 provider runs the grouped GEMMs, under which precision recipe, over which token exchange, which
 steps are fused into the GEMMs, and the pool's row alignment. The layer (:mod:`deep_gemm_ext.layer`)
 and everything below it take the plan and decide nothing themselves: this is the only module that
-compares backend / recipe names or reads the environment for the layer. (Two knobs of the GEMM
-launchers themselves, ``DGE_GEMM_SCHEDULE`` and ``DGE_PRINT_CONFIGS``, are read at each launch in
-deep_gemm_ext.jit_kernels, through _env like every knob; the JIT compiler's ``DGE_JIT_*`` likewise.)
+compares backend / recipe names or reads the environment for the layer, ``DGE_GEMM_SCHEDULE``
+included (the plan's ``gemm_schedule``, handed to the SM90 provider). Diagnostics are read where
+they act, through _env like every knob: ``DGE_PRINT_CONFIGS`` at each GEMM launch, the JIT
+compiler's ``DGE_JIT_*`` when it compiles.)
 
 A plan travels through the custom ops as a short string (``Plan.encode`` / ``decode``), so the fake
 implementations, ``setup_context`` and the backward all see the decisions of the forward.
@@ -71,6 +72,7 @@ class Plan:
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
+    gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
     """
 
     provider: str
@@ -86,12 +88,13 @@ class Plan:
     swiglu_epilogues: bool = False
     check_ids: bool = True
     fp8_wgrad: str = "fp8"
+    gemm_schedule: str = "cooperative"
 
     # -- the parts ------------------------------------------------------------------------------
 
     @property
     def gemms(self) -> GemmProvider:
-        return PROVIDERS[self.provider]
+        return PROVIDERS[self.provider].configured(gemm_schedule=self.gemm_schedule)
 
     @property
     def precision(self) -> Recipe:
@@ -164,7 +167,7 @@ def _decode(text: str) -> Plan:
 @functools.lru_cache(maxsize=None)
 def _precision(recipe: str, fp8_wgrad: str) -> Recipe:
     base = _RECIPE_OBJECTS[recipe]
-    return dataclasses.replace(base, wgrad=fp8_wgrad) if base.fp8 else base
+    return dataclasses.replace(base, fp8_wgrad=fp8_wgrad == "fp8") if base.fp8 else base
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +283,8 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
                           and gemms.supports(precision, SwigluBackward, facts)),
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
-        fp8_wgrad=precision.wgrad,
+        fp8_wgrad=_env.fp8_wgrad(),
+        gemm_schedule=_env.gemm_schedule(),
     )
     return plan.encode()
 

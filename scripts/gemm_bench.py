@@ -8,14 +8,13 @@ median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows th
 the ratio to torch._grouped_mm on the same operands (offs = ends). Prints a table last.
 
 --schedules: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
-TFLOP/s of the cooperative and the ping-pong consumer schedule (DGE_GEMM_SCHEDULE) and of one dense
-cuBLAS GEMM (torch.matmul) of the same M x N x K.
+TFLOP/s of the cooperative and the ping-pong consumer schedule (the launchers' ``schedule``
+argument; DGE_GEMM_SCHEDULE for the layer) and of one dense cuBLAS GEMM (torch.matmul) of the same M x N x K.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,6 +35,9 @@ def _pool(rows: int, cols: int, pad: torch.Tensor) -> torch.Tensor:
     return data
 
 
+_DEFAULT = "cooperative"
+
+
 def _cases(w):
     """(name, dense (M, N, K), ours, torch._grouped_mm on the same operands) per GEMM of the layer, and
     the pool rows the experts own."""
@@ -52,20 +54,22 @@ def _cases(w):
     l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
     l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
     offs = ends
+    nt, nn, tn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous, \
+        gg.k_grouped_bf16_gemm_tn_contiguous
     cases = [
-        ("L1 fwd  nt", (used, 2 * I, H), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends),
+        ("L1 fwd  nt", (used, 2 * I, H), lambda sch=_DEFAULT: nt(x, l1, starts, ends, schedule=sch),
          lambda: torch._grouped_mm(x, l1.transpose(-2, -1), offs=offs)),
-        ("L2 fwd  nt", (used, H, I), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(act, l2, starts, ends),
+        ("L2 fwd  nt", (used, H, I), lambda sch=_DEFAULT: nt(act, l2, starts, ends, schedule=sch),
          lambda: torch._grouped_mm(act, l2.transpose(-2, -1), offs=offs)),
         ("L1 fwd  nt paired", (used, 2 * I, H),
-         lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends, paired_n=True), None),
-        ("L2 dgrad nn", (used, I, H), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, starts, ends),
+         lambda sch=_DEFAULT: nt(x, l1, starts, ends, paired_n=True, schedule=sch), None),
+        ("L2 dgrad nn", (used, I, H), lambda sch=_DEFAULT: nn(dy, l2, starts, ends, schedule=sch),
          lambda: torch._grouped_mm(dy, l2, offs=offs)),
-        ("L1 dgrad nn", (used, H, 2 * I), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dh, l1, starts, ends),
+        ("L1 dgrad nn", (used, H, 2 * I), lambda sch=_DEFAULT: nn(dh, l1, starts, ends, schedule=sch),
          lambda: torch._grouped_mm(dh, l1, offs=offs)),
-        ("L1 wgrad tn", (2 * I, H, used), lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dh, x, starts, ends),
+        ("L1 wgrad tn", (2 * I, H, used), lambda sch=_DEFAULT: tn(dh, x, starts, ends, schedule=sch),
          lambda: torch._grouped_mm(dh.t(), x, offs=offs)),
-        ("L2 wgrad tn", (H, I, used), lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dy, act, starts, ends),
+        ("L2 wgrad tn", (H, I, used), lambda sch=_DEFAULT: tn(dy, act, starts, ends, schedule=sch),
          lambda: torch._grouped_mm(dy.t(), act, offs=offs)),
     ]
     return cases, used
@@ -109,14 +113,12 @@ def _schedule_table(args) -> int:
             flops = 2.0 * m * n * k
             row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k}
             for schedule in gg.SCHEDULES:
-                os.environ["DGE_GEMM_SCHEDULE"] = schedule  # read by every launch (deep_gemm_ext._env)
-                row[schedule] = flops / median_ms(ours, args.reps) / 1e9
+                row[schedule] = flops / median_ms(lambda: ours(schedule), args.reps) / 1e9
             a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
             row["cublas"] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
             results.append(row)
             del a, b
-    os.environ.pop("DGE_GEMM_SCHEDULE", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

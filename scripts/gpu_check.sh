@@ -7,6 +7,7 @@
 #   steps (default: all): build tests fuzz compare bench transformers schedules
 #   OLD_TREE=/path/to/older/tree  compare: y and gradients bit for bit against that tree (--hash-only)
 #   BENCH_ARGS="--workloads ..."  extra arguments of scripts/bench.py
+#   TEST_WORKERS=6                pytest-xdist workers of the tests step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/dge_gpu_check}}
@@ -28,7 +29,7 @@ if has build; then
 fi
 if has tests; then
   # Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
-  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}" || echo "")
   timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py tests > "$out/tests.log" 2>&1 || status=1
   note "tests: $(tail -1 "$out/tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 | tee -a "$summary"

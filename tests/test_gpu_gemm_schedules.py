@@ -8,6 +8,7 @@ CPU: the schedule knob, the config rules and the ping-pong configs' compile (wit
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -38,6 +39,29 @@ def test_schedule_knob(monkeypatch):
     monkeypatch.setenv("DGE_GEMM_SCHEDULE", "stream-k")
     with pytest.raises(ValueError, match="DGE_GEMM_SCHEDULE='stream-k': expected one of"):
         _env.gemm_schedule()
+
+
+def test_schedule_reaches_the_provider_through_the_plan(monkeypatch):
+    """DGE_GEMM_SCHEDULE is read by the plan (once per call) and handed to the SM90 provider; the
+    launchers take it as an argument and read no environment."""
+    from deep_gemm_ext import plan as plan_mod
+    from deep_gemm_ext.providers import PROVIDERS
+
+    x, l1 = torch.zeros(4, 64), torch.zeros(2, 64, 64)
+    for value, expected in ((None, "cooperative"), ("pingpong", "pingpong")):
+        if value is None:
+            monkeypatch.delenv("DGE_GEMM_SCHEDULE", raising=False)
+        else:
+            monkeypatch.setenv("DGE_GEMM_SCHEDULE", value)
+        p = plan_mod.resolve(x, l1)
+        assert p.gemm_schedule == expected
+        assert plan_mod.Plan.decode(p.encode()) == p
+        sm90 = dataclasses.replace(p, provider="sm90").gemms
+        assert sm90.schedule == expected
+        assert sm90 is PROVIDERS["sm90"].configured(gemm_schedule=expected)
+    with pytest.raises(ValueError, match="schedule='stream_k': expected one of"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(torch.zeros(4, 64), torch.zeros(2, 64, 64), torch.zeros(2),
+                                             torch.zeros(2), schedule="stream_k")
 
 
 def test_pingpong_configs():
@@ -78,12 +102,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_both(monkeypatch, fn):
-    """fn() under the cooperative schedule held to 128-wide tiles, then under the ping-pong one."""
+    """fn(schedule) under the cooperative schedule held to 128-wide tiles, then under the ping-pong one."""
     monkeypatch.setitem(gg.TILES, "cooperative", (gg.Tile(128, 6),))
     outs = {}
     for schedule in ("cooperative", "pingpong"):
-        monkeypatch.setenv("DGE_GEMM_SCHEDULE", schedule)
-        outs[schedule] = fn()
+        outs[schedule] = fn(schedule)
         torch.cuda.synchronize()
     return outs["cooperative"], outs["pingpong"]
 
@@ -158,32 +181,30 @@ def _close(got: torch.Tensor, ref: torch.Tensor, label: str, tol: float = 2e-2) 
 @pytest.mark.parametrize("num_tokens,routing", _ROUTINGS)
 def test_m_grouped_gemms(monkeypatch, num_tokens, routing):
     L = _Layer(num_tokens, routing, seed=num_tokens + 7)
+    nt, nn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous
     cases = {
-        "L1 fwd nt": (lambda: gg.m_grouped_bf16_gemm_nt_contiguous(L.x_pool, L.l1, L.starts, L.ends,
-                                                                   _nan(L.rows, 2 * _I)),
+        "L1 fwd nt": (lambda sch: nt(L.x_pool, L.l1, L.starts, L.ends, _nan(L.rows, 2 * _I), schedule=sch),
                       L.m_ref(L.x_pool, lambda e: L.l1[e].T)),
-        "L1 fwd nt paired": (lambda: gg.m_grouped_bf16_gemm_nt_contiguous(L.x_pool, L.l1, L.starts, L.ends,
-                                                                          _nan(L.rows, 2 * _I), paired_n=True),
+        "L1 fwd nt paired": (lambda sch: nt(L.x_pool, L.l1, L.starts, L.ends, _nan(L.rows, 2 * _I), paired_n=True,
+                                            schedule=sch),
                              L.m_ref(L.x_pool, lambda e: L.l1[e].T)),
-        "L2 fwd nt": (lambda: gg.m_grouped_bf16_gemm_nt_contiguous(L.act, L.l2, L.starts, L.ends, _nan(L.rows, _H)),
+        "L2 fwd nt": (lambda sch: nt(L.act, L.l2, L.starts, L.ends, _nan(L.rows, _H), schedule=sch),
                       L.m_ref(L.act, lambda e: L.l2[e].T)),
-        "L2 dgrad nn": (lambda: gg.m_grouped_bf16_gemm_nn_contiguous(L.dy_pool, L.l2, L.starts, L.ends,
-                                                                     _nan(L.rows, _I)),
+        "L2 dgrad nn": (lambda sch: nn(L.dy_pool, L.l2, L.starts, L.ends, _nan(L.rows, _I), schedule=sch),
                         L.m_ref(L.dy_pool, lambda e: L.l2[e])),
-        "L1 dgrad nn": (lambda: gg.m_grouped_bf16_gemm_nn_contiguous(L.h, L.l1, L.starts, L.ends, _nan(L.rows, _H)),
+        "L1 dgrad nn": (lambda sch: nn(L.h, L.l1, L.starts, L.ends, _nan(L.rows, _H), schedule=sch),
                         L.m_ref(L.h, lambda e: L.l1[e])),
     }
     for mode in gg.GATHER_MODES:
         cases[f"L1 fwd nt gather {mode}"] = (
-            lambda mode=mode: gg.m_grouped_bf16_gemm_nt_contiguous(L.x, L.l1, L.starts, L.ends, _nan(L.rows, 2 * _I),
-                                                                   gather=L.gather(mode)),
+            lambda sch, mode=mode: nt(L.x, L.l1, L.starts, L.ends, _nan(L.rows, 2 * _I), gather=L.gather(mode),
+                                      schedule=sch),
             L.m_ref(L.x_pool, lambda e: L.l1[e].T))
     cases["L2 dgrad nn gather"] = (
-        lambda: gg.m_grouped_bf16_gemm_nn_contiguous(L.dy, L.l2, L.starts, L.ends, _nan(L.rows, _I),
-                                                     gather=L.gather()),
+        lambda sch: nn(L.dy, L.l2, L.starts, L.ends, _nan(L.rows, _I), gather=L.gather(), schedule=sch),
         L.m_ref(L.dy_pool, lambda e: L.l2[e]))
     for label, (fn, ref) in cases.items():
-        coop, ping = _run_both(monkeypatch, lambda: (fn(),))
+        coop, ping = _run_both(monkeypatch, lambda sch: (fn(sch),))
         _assert_identical(coop, ping, f"{label} T={num_tokens} {routing}")
         _close(ping[0], ref, f"{label} T={num_tokens} {routing}")
 
@@ -196,13 +217,16 @@ def test_scatter_epilogues(monkeypatch, num_tokens, routing):
     weighted = gg.Scatter(L.meta.row_to_slot, slots, L.weights)
     plain = gg.Scatter(L.meta.row_to_slot, slots)
     for label, fn, ref, w in [
-        ("L2 fwd scatter weighted", lambda: gg.m_grouped_bf16_gemm_nt_contiguous(
-            L.act, L.l2, L.starts, L.ends, _nan(slots, _H), scatter=weighted), L.m_ref(L.act, lambda e: L.l2[e].T),
-         L.weights.reshape(-1)),
-        ("L1 dgrad scatter", lambda: gg.m_grouped_bf16_gemm_nn_contiguous(
-            L.h, L.l1, L.starts, L.ends, _nan(slots, _H), scatter=plain), L.m_ref(L.h, lambda e: L.l1[e]), None),
+        ("L2 fwd scatter weighted",
+         lambda sch: gg.m_grouped_bf16_gemm_nt_contiguous(L.act, L.l2, L.starts, L.ends, _nan(slots, _H),
+                                                          scatter=weighted, schedule=sch),
+         L.m_ref(L.act, lambda e: L.l2[e].T), L.weights.reshape(-1)),
+        ("L1 dgrad scatter",
+         lambda sch: gg.m_grouped_bf16_gemm_nn_contiguous(L.h, L.l1, L.starts, L.ends, _nan(slots, _H),
+                                                          scatter=plain, schedule=sch),
+         L.m_ref(L.h, lambda e: L.l1[e]), None),
     ]:
-        coop, ping = _run_both(monkeypatch, lambda: (fn(),))
+        coop, ping = _run_both(monkeypatch, lambda sch: (fn(sch),))
         _assert_identical(coop, ping, f"{label} T={num_tokens} {routing}")
         # Reference in slot order: slot s holds pool row slot_to_row[s] (times its weight); unused slots NaN.
         ref_slots = torch.full((slots, _H), float("nan"), dtype=torch.float64, device="cuda")
@@ -224,18 +248,19 @@ def test_k_grouped_gemms(monkeypatch, num_tokens, routing):
             out[e] = a_pool[s:t].double().T @ b_pool[s:t].double()
         return out
 
+    tn = gg.k_grouped_bf16_gemm_tn_contiguous
     cases = [
-        ("dW1 tn", lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dh, L.x_pool, L.starts, L.ends,
-                                                                _nan(_E, 2 * _I, _H)), ref(dh, L.x_pool)),
-        ("dW1 tn gather_b", lambda: gg.k_grouped_bf16_gemm_tn_contiguous(dh, L.x, L.starts, L.ends,
-                                                                         _nan(_E, 2 * _I, _H), gather_b=L.gather()),
+        ("dW1 tn", lambda sch: tn(dh, L.x_pool, L.starts, L.ends, _nan(_E, 2 * _I, _H), schedule=sch),
          ref(dh, L.x_pool)),
-        ("dW2 tn gather_a", lambda: gg.k_grouped_bf16_gemm_tn_contiguous(L.dy, L.act, L.starts, L.ends,
-                                                                         _nan(_E, _H, _I), gather_a=L.gather()),
+        ("dW1 tn gather_b", lambda sch: tn(dh, L.x, L.starts, L.ends, _nan(_E, 2 * _I, _H), gather_b=L.gather(),
+                                           schedule=sch),
+         ref(dh, L.x_pool)),
+        ("dW2 tn gather_a", lambda sch: tn(L.dy, L.act, L.starts, L.ends, _nan(_E, _H, _I), gather_a=L.gather(),
+                                           schedule=sch),
          ref(L.dy_pool, L.act)),
     ]
     for label, fn, expected in cases:
-        coop, ping = _run_both(monkeypatch, lambda: (fn(),))
+        coop, ping = _run_both(monkeypatch, lambda sch: (fn(sch),))
         _assert_identical(coop, ping, f"{label} T={num_tokens} {routing}")
         _close(ping[0], expected, f"{label} T={num_tokens} {routing}")
 
@@ -265,11 +290,11 @@ def test_swiglu_epilogues(monkeypatch, num_tokens, routing, clamp):
     L = _Layer(num_tokens, routing, seed=num_tokens + 17)
     h_ref = L.m_ref(L.x_pool, lambda e: L.l1[e].T)
     for gather in (None, "tma", "cp_async"):
-        def forward(gather=gather):
+        def forward(schedule, gather=gather):
             x = L.x if gather else L.x_pool
             return gg.m_grouped_bf16_gemm_nt_swiglu(x, L.l1, L.starts, L.ends, clamp, h_out=_nan(L.rows, 2 * _I),
                                                     act_out=_nan(L.rows, _I),
-                                                    gather=L.gather(gather) if gather else None)
+                                                    gather=L.gather(gather) if gather else None, schedule=schedule)
 
         coop, ping = _run_both(monkeypatch, forward)
         label = f"swiglu fwd gather={gather} clamp={clamp} T={num_tokens} {routing}"
@@ -279,12 +304,12 @@ def test_swiglu_epilogues(monkeypatch, num_tokens, routing, clamp):
 
     da_ref = L.m_ref(L.dy_pool, lambda e: L.l2[e])
     for gather in (None, "cp_async"):
-        def backward(gather=gather):
+        def backward(schedule, gather=gather):
             dy = L.dy if gather else L.dy_pool
             return gg.m_grouped_bf16_gemm_nn_swiglu_bwd(
                 dy, L.l2, L.h, L.row_weight, L.starts, L.ends, clamp, dh_out=_nan(L.rows, 2 * _I),
                 act_w_out=_nan(L.rows, _I), d_row_weight_out=_nan(L.rows, dtype=torch.float32),
-                gather=L.gather(gather) if gather else None)
+                gather=L.gather(gather) if gather else None, schedule=schedule)
 
         coop, ping = _run_both(monkeypatch, backward)
         label = f"swiglu bwd gather={gather} clamp={clamp} T={num_tokens} {routing}"
@@ -302,7 +327,6 @@ def test_swiglu_epilogues(monkeypatch, num_tokens, routing, clamp):
 @needs_hopper
 def test_pingpong_print_configs(monkeypatch, capfd):
     L = _Layer(300, "uniform", seed=1)
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
     monkeypatch.setenv("DGE_PRINT_CONFIGS", "1")
-    gg.m_grouped_bf16_gemm_nt_contiguous(L.x_pool, L.l1, L.starts, L.ends)
+    gg.m_grouped_bf16_gemm_nt_contiguous(L.x_pool, L.l1, L.starts, L.ends, schedule="pingpong")
     assert "sm90_bf16_grouped_gemm_nt_n128_s6_pingpong: M=" in capfd.readouterr().err

@@ -181,6 +181,11 @@ class GemmConfig:
         return smem
 
 
+def _check_schedule(schedule) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+
+
 def select_tile(n: int, *, schedule: str = "cooperative", divides: bool = False) -> Tile:
     """The candidate tile of ``schedule`` for N columns: the one that pads N least, ties going to the
     earlier (preferred) candidate. ``divides``: only tiles whose width divides N."""
@@ -417,7 +422,8 @@ def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather) -> Non
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None) -> torch.Tensor:
+               scatter: Scatter | None = None, schedule: str = "cooperative") -> torch.Tensor:
+    _check_schedule(schedule)
     _check_gather(gather)
     if scatter is not None and paired_n:
         raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
@@ -437,7 +443,6 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         _check_multiple("K", k, _BLOCK_K, "an [E, K, N] weight is read in K blocks that must not cross experts")
     if paired_n:
         _check_multiple("N", n, 256, "paired N tiling pairs columns j and N/2 + j in 256-wide tiles")
-    schedule = _env.gemm_schedule()
     block_n = select_tile(n, schedule=schedule, divides=paired_n).block_n
     if rows == 0 or num_experts == 0 or n == 0:
         return out
@@ -463,7 +468,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
-                                      gather: Gather | None = None, scatter: Scatter | None = None) -> torch.Tensor:
+                                      gather: Gather | None = None, scatter: Scatter | None = None,
+                                      schedule: str = "cooperative") -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -472,32 +478,33 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     ``gather``: a is x [T, K] and the GEMM reads pool row r from ``x[row_to_slot[r] // top_k]``
     (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter.weights is given); see
-    Scatter.
+    Scatter. ``schedule``: the consumer schedule (SCHEDULES), same bits under each.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, schedule)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather: Gather | None = None,
-                                      scatter: Scatter | None = None) -> torch.Tensor:
+                                      scatter: Scatter | None = None, schedule: str = "cooperative") -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``gather``: a is the token matrix (e.g. dy [T, H]), gathered by the GEMM.
     ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for combine_slots).
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter)
+    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, schedule)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather_a: Gather | None = None,
-                                      gather_b: Gather | None = None) -> torch.Tensor:
+                                      gather_b: Gather | None = None, schedule: str = "cooperative") -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x for dW1 [E, 2I, H]), M a multiple of 128. Experts
     without rows get zeros. ``gather_a`` / ``gather_b`` (one at most, mode "cp_async"): that operand
     is a token matrix (dy for dW2, x for dW1) whose rows the GEMM gathers.
     """
+    _check_schedule(schedule)
     if gather_a is not None and gather_b is not None:
         raise ValueError("gather_a and gather_b: expected at most one gathered operand")
     gather = gather_a if gather_a is not None else gather_b
@@ -523,7 +530,6 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
         return out
     if rows == 0:
         return out.zero_()
-    schedule = _env.gemm_schedule()
     block_n = select_tile(n, schedule=schedule).block_n
     config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
                         gather_b=gather_b is not None, schedule=schedule)
@@ -552,7 +558,8 @@ def swiglu_epilogue_supported(intermediate: int) -> bool:
 def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                   clamp: float | None = None, *, h_out: torch.Tensor | None = None,
                                   act_out: torch.Tensor | None = None,
-                                  gather: Gather | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  gather: Gather | None = None,
+                                  schedule: str = "cooperative") -> tuple[torch.Tensor, torch.Tensor]:
     """L1 forward with the SwiGLU in the epilogue: ``(h [P, 2I], act [P, I])``, both bf16.
 
     x_pool [P, H] bf16, l1 [E, 2I, H] bf16 (rows [0, I) gate, [I, 2I) up), I a multiple of 128.
@@ -563,6 +570,7 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
     bit). Rows no expert owns are left unwritten. ``gather``: x_pool is x [T, H], gathered by the GEMM
     (see m_grouped_bf16_gemm_nt_contiguous).
     """
+    _check_schedule(schedule)
     _check_gather(gather)
     num_experts = _check_inputs(x_pool, l1, 3, starts, ends, names=("x_pool", "l1"))
     c = _check_clamp(clamp)
@@ -582,7 +590,6 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
     if hidden == 0:
         raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
     x_pool = _gather_operand("x_pool", x_pool, gather)
-    schedule = _env.gemm_schedule()
     config = GemmConfig("nt", select_tile(two_inter, schedule=schedule, divides=True).block_n, paired_n=True,
                         epilogue="swiglu_fwd", clamp=clamp is not None,
                         gather_a=gather.mode if gather is not None else None, schedule=schedule)
@@ -599,7 +606,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
                                       clamp: float | None = None, *, block_n: int | None = None,
                                       dh_out: torch.Tensor | None = None, act_w_out: torch.Tensor | None = None,
                                       d_row_weight_out: torch.Tensor | None = None, gather: Gather | None = None,
-                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                      schedule: str = "cooperative") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """L2 dgrad with the SwiGLU backward in the epilogue: ``(dh [P, 2I] bf16, d_row_weight [P] fp32,
     act_w [P, I] bf16)``.
 
@@ -614,6 +621,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     allows) is the GEMM's N tile. ``gather`` (mode "cp_async"): dy_pool is dy [T, H], gathered by
     the GEMM.
     """
+    _check_schedule(schedule)
     _check_gather(gather)
     num_experts = _check_inputs(dy_pool, l2, 3, starts, ends, names=("dy_pool", "l2"),
                                 extra=(("h", h, 2, torch.bfloat16), ("row_weight", row_weight, 1, torch.float32)))
@@ -632,7 +640,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
                          f"{SWIGLU_INTERMEDIATE_ALIGNMENT} (N tiles of 128 or 256 columns must not straddle I)")
     _check_multiple("H", hidden, _BLOCK_K, "an [E, H, I] weight is read in K blocks that must not cross experts")
     if block_n is None:
-        block_n = select_tile(inter, schedule=_env.gemm_schedule(), divides=True).block_n
+        block_n = select_tile(inter, schedule=schedule, divides=True).block_n
     elif block_n not in _STAGES or inter % block_n:
         raise ValueError(f"block_n={block_n!r}: expected 128 or 256 dividing I={inter}")
     device = dy_pool.device
@@ -649,7 +657,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     partials = torch.empty(rows, num_parts, dtype=torch.float32, device=device)
     dy_pool = _gather_operand("dy_pool", dy_pool, gather, cp_async_only=True)
     config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None,
-                        gather_a="cp_async" if gather is not None else None, schedule=_env.gemm_schedule())
+                        gather_a="cp_async" if gather is not None else None, schedule=schedule)
     with jit.device_guard(dy_pool):
         b_map = jit.make_tma_2d(l2, 64, 64, rows=num_experts * hidden, cols=inter)
         epi_args = dict(tma_dh=jit.make_tma_2d(dh, 64, 64), tma_act_w=jit.make_tma_2d(act_w, 64, 64), h=h,

@@ -63,6 +63,10 @@ class GemmProvider:
     #: The M-grouped GEMM takes a :class:`Gather` operand.
     gathers: bool = False
 
+    def configured(self, *, gemm_schedule: str) -> "GemmProvider":
+        """This provider with the plan's launch settings (only the SM90 kernels have any)."""
+        return self
+
     def compute_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
         """dtype of the pool, h and the GEMMs for inputs of ``x_dtype``."""
         return torch.bfloat16

@@ -221,7 +221,7 @@ class DeepGemmProvider(GemmProvider):
         a, b = a[:rows], b[:rows]
         d = torch.zeros(len(ks), a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
         layout = torch.tensor(ks, dtype=torch.int32, device=a.device)
-        if not recipe.fp8 or recipe.wgrad == "bf16":
+        if not (recipe.fp8 and recipe.fp8_wgrad):
             dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, layout, d)
             return d
         (aq, a_scale), (bq, b_scale) = quantize_cols_fp8(a), quantize_cols_fp8(b)

@@ -2,6 +2,8 @@
 gathering prologue."""
 from __future__ import annotations
 
+import functools
+
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
 from .base import GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
 
@@ -22,8 +24,16 @@ def _gather(g: Gather | None, src):
 
 
 class Sm90Provider(GemmProvider):
+    """``schedule``: the consumer schedule of every GEMM launch (jit_kernels' SCHEDULES)."""
+
     row_alignment = TOKEN_GROUP_ALIGNMENT
     gathers = True
+
+    def __init__(self, schedule: str = "cooperative"):
+        self.schedule = schedule
+
+    def configured(self, *, gemm_schedule: str) -> "Sm90Provider":
+        return self if gemm_schedule == self.schedule else _configured(gemm_schedule)
 
     def supports(self, recipe, epilogue, facts):
         if recipe.fp8:
@@ -38,18 +48,25 @@ class Sm90Provider(GemmProvider):
         if isinstance(epilogue, SwigluForward):
             # h is an output of the layer: rows no expert owns are zero rather than stale memory.
             h_out = a.new_zeros(meta.num_pool_rows, w.shape[1])
-            return k.m_grouped_bf16_gemm_nt_swiglu(a, w, meta.starts, meta.ends, epilogue.clamp, h_out=h_out, gather=g)
+            return k.m_grouped_bf16_gemm_nt_swiglu(a, w, meta.starts, meta.ends, epilogue.clamp, h_out=h_out, gather=g,
+                                                   schedule=self.schedule)
         if isinstance(epilogue, SwigluBackward):
             return k.m_grouped_bf16_gemm_nn_swiglu_bwd(a, w, epilogue.h, epilogue.row_weight, meta.starts, meta.ends,
-                                                       epilogue.clamp, gather=g)
+                                                       epilogue.clamp, gather=g, schedule=self.schedule)
         gemm = k.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else k.m_grouped_bf16_gemm_nn_contiguous
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
-            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g)
+            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g, schedule=self.schedule)
         out = a.new_zeros(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2]) if zero_unowned else None
-        return gemm(a, w, meta.starts, meta.ends, out, gather=g)
+        return gemm(a, w, meta.starts, meta.ends, out, gather=g, schedule=self.schedule)
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         ga, a = _gather(gather_a, a)
         gb, b = _gather(gather_b, b)
-        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb)
+        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb,
+                                                          schedule=self.schedule)
+
+
+@functools.lru_cache(maxsize=None)
+def _configured(schedule: str) -> Sm90Provider:
+    return Sm90Provider(schedule)

@@ -32,7 +32,7 @@ class GroupedMmProvider(GemmProvider):
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8:
-            return fp8.emulated_k_grouped(a, b, meta.starts, meta.ends, recipe.wgrad)
+            return fp8.emulated_k_grouped(a, b, meta.starts, meta.ends, recipe.fp8_wgrad)
         # Empty groups come out as zeros on SM90 (k-grouped with K = 0).
         return torch._grouped_mm(a.t(), b, offs=meta.ends)
 
@@ -59,7 +59,7 @@ class LoopProvider(GemmProvider):
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8:
-            return fp8.emulated_k_grouped(a, b, meta.starts, meta.ends, recipe.wgrad)
+            return fp8.emulated_k_grouped(a, b, meta.starts, meta.ends, recipe.fp8_wgrad)
         out = a.new_zeros(meta.num_experts, a.shape[1], b.shape[1])
         for e, (start, end) in enumerate(zip(meta.starts.tolist(), meta.ends.tolist())):
             if end > start:

@@ -423,13 +423,11 @@ def emulated_m_grouped(a: torch.Tensor, w: Fp8ExpertWeights, starts, ends, layou
     return emulate_grouped_gemm_nt(*quantize_rows(a), data, scale, starts, ends).to(a.dtype)
 
 
-def emulated_k_grouped(a: torch.Tensor, b: torch.Tensor, starts, ends, wgrad: str) -> torch.Tensor:
+def emulated_k_grouped(a: torch.Tensor, b: torch.Tensor, starts, ends, fp8_operands: bool) -> torch.Tensor:
     """The layer's weight-gradient GEMM under the fp8 recipe: operands column-quantized
-    (``wgrad="fp8"``) or rounded to bf16 (``"bf16"``), fp32 result ``[E, M, N]``."""
-    if wgrad == "fp8":
+    (``fp8_operands``) or rounded to bf16, fp32 result ``[E, M, N]``."""
+    if fp8_operands:
         return emulate_grouped_gemm_tn(*quantize_cols(a), *quantize_cols(b), starts, ends)
-    if wgrad != "bf16":
-        raise ValueError(f"wgrad={wgrad!r}; expected one of {WGRAD_MODES}")
     return _grouped_tn(a.bfloat16().float(), b.bfloat16().float(), _spans(starts, ends, a.shape[0], len(starts)))
 
 
@@ -470,7 +468,7 @@ def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
             return emulated_m_grouped(a, w, meta.starts, meta.ends, layout)
 
         def k_grouped(a, b):
-            return emulated_k_grouped(a, b, meta.starts, meta.ends, wgrad)
+            return emulated_k_grouped(a, b, meta.starts, meta.ends, wgrad == "fp8")
     else:
         w1, w2 = l1_weights.detach().float(), l2_weights.detach().float()
 
