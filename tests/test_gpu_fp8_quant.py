@@ -402,6 +402,27 @@ def test_rejects_bad_inputs_on_gpu():
         quantize_rows_fp8(x, gather=(torch.zeros(3, dtype=torch.int32, device=DEVICE), True))
 
 
+def test_grid_is_one_resident_wave(monkeypatch):
+    """The grid-stride kernels launch as many CTAs as the SMs hold at once (from ptxas' register
+    count), never a partial second wave."""
+    class FakeKernel:
+        def __init__(self, name, regs):
+            self.name, self.regs = name, regs
+
+        def resources(self):
+            return [jit.ResourceUsage("f", registers=self.regs)] if self.regs else []
+
+    monkeypatch.setattr(fp8_quant, "_resident", {})
+    assert fp8_quant.resident_ctas_per_sm(FakeKernel("a", 32)) == 8
+    assert fp8_quant.resident_ctas_per_sm(FakeKernel("b", 38)) == 6  # 40 allocated: 10240 per CTA
+    assert fp8_quant.resident_ctas_per_sm(FakeKernel("c", 64)) == 4
+    assert fp8_quant.resident_ctas_per_sm(FakeKernel("d", 255)) == 1
+    assert fp8_quant.resident_ctas_per_sm(FakeKernel("e", 0)) == 4  # no report
+    monkeypatch.setattr(jit, "num_sms", lambda device: 132)
+    assert fp8_quant._grid(FakeKernel("b", 38), 10 ** 6, "cuda") == (792, 1, 1)
+    assert fp8_quant._grid(FakeKernel("b", 38), 5, "cuda") == (5, 1, 1)
+
+
 # -- compile (no GPU needed) -----------------------------------------------------------------------
 
 _CUOBJDUMP = shutil.which("cuobjdump") or shutil.which("/usr/local/cuda/bin/cuobjdump")

@@ -32,7 +32,6 @@ FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 _THREADS = 256
 _WARPS = _THREADS // 32
-_CTAS_PER_SM = 8
 #: Tiles each half warp quantizes per step of the row kernel (loads in flight per lane).
 TILES_PER_HALF_WARP = 2
 #: Rows each thread of the column kernel holds (its CTA covers 128 rows x 256 * this / 16 columns).
@@ -144,10 +143,27 @@ def _check_clamp(clamp) -> float:
 # ---------------------------------------------------------------------------------------------
 # Launches
 
+_resident: dict[str, int] = {}
 
-def _row_grid(items: int, device) -> tuple[int, int, int]:
-    per_cta = _WARPS * 2 * TILES_PER_HALF_WARP
-    return (max(1, min(-(-items // per_cta), jit.num_sms(device) * _CTAS_PER_SM)), 1, 1)
+
+def resident_ctas_per_sm(kernel) -> int:
+    """CTAs of ``kernel`` one SM holds at once, from its register count (ptxas' report): the
+    grid-stride kernels launch one full wave, since CTAs beyond it would run as a short second
+    wave with as much work each as the first. 4 when the report is missing."""
+    count = _resident.get(kernel.name)
+    if count is None:
+        usages = kernel.resources()
+        if usages:
+            regs = -(-max(u.registers for u in usages) // 8) * 8  # allocated per warp in units of 256
+            count = max(1, min(2048 // _THREADS, 65536 // (max(regs, 8) * _THREADS)))
+        else:
+            count = 4
+        _resident[kernel.name] = count
+    return count
+
+
+def _grid(kernel, work_ctas: int, device) -> tuple[int, int, int]:
+    return (max(1, min(work_ctas, jit.num_sms(device) * resident_ctas_per_sm(kernel))), 1, 1)
 
 
 def _launch_rows(config, x, data, scale, *, row_to_slot=None, act=None, top_k=1, clamp=math.inf) -> None:
@@ -168,7 +184,8 @@ def _launch_rows(config, x, data, scale, *, row_to_slot=None, act=None, top_k=1,
                 x=x if gathered else x[start:stop], row_to_slot=None if not gathered else row_to_slot[start:stop],
                 data=data[start:stop], scale=scale[start:stop], act=None if act is None else act[start:stop],
                 num_rows=n, cols=cols, top_k=top_k, num_tokens=x.shape[0] if gathered else n, clamp=clamp)
-            kernel.launch(_row_grid(n * tiles, data.device), (_THREADS, 1, 1), args)
+            per_cta = _WARPS * 2 * TILES_PER_HALF_WARP
+            kernel.launch(_grid(kernel, -(-n * tiles // per_cta), data.device), (_THREADS, 1, 1), args)
 
 
 def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | None = None,
@@ -236,8 +253,7 @@ def quantize_cols_fp8(x: torch.Tensor, *, out: torch.Tensor | None = None,
         for start in range(0, rows, chunk):
             stop = min(rows, start + chunk)
             blocks = num_blocks(stop - start) * col_blocks
-            grid = (max(1, min(blocks, jit.num_sms(x.device) * _CTAS_PER_SM)), 1, 1)
-            kernel.launch(grid, (_THREADS, 1, 1), jit.pack_args(
+            kernel.launch(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), jit.pack_args(
                 _COLS[0], _COL_ARGS, x=x[start:stop], data=data[start:stop],
                 scale=scale[start // FP8_BLOCK:num_blocks(stop)], num_rows=stop - start, cols=cols))
     return data, scale
