@@ -302,26 +302,39 @@ quantize_cols_kernel(const __nv_bfloat16* __restrict__ x, unsigned char* __restr
             }
         }
         m = cta_column_max<kColVecs>(m, smem_amax, cv);
+        // Column pair p at a time (two divisors live), so the eight columns' divisors need not all
+        // be held: out[i] collects row i's eight bytes.
         const u32 words[4] = {m.x, m.y, m.z, m.w};
-        float s[kBf16PerVec];
-        Fp8Divisor d[kBf16PerVec];
+        uint2 out[kRowsPerThread];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            s[2 * i] = fp8_scale_of(words[i] & 0xffffu);
-            s[2 * i + 1] = fp8_scale_of(words[i] >> 16);
+        for (int p = 0; p < 4; ++p) {
+            const Fp8Divisor d_lo = fp8_divisor(fp8_scale_of(words[p] & 0xffffu));
+            const Fp8Divisor d_hi = fp8_divisor(fp8_scale_of(words[p] >> 16));
+#pragma unroll
+            for (int i = 0; i < kRowsPerThread; ++i) {
+                const u32 in = p == 0 ? v[i].x : p == 1 ? v[i].y : p == 2 ? v[i].z : v[i].w;
+                const u32 pair = quantize_bf16x2(in, d_lo, d_hi);
+                if (p == 0)
+                    out[i].x = pair;
+                else if (p == 1)
+                    out[i].x = canonical_nan_bytes(out[i].x | (pair << 16));
+                else if (p == 2)
+                    out[i].y = pair;
+                else
+                    out[i].y = canonical_nan_bytes(out[i].y | (pair << 16));
+            }
         }
-#pragma unroll
-        for (int i = 0; i < kBf16PerVec; ++i)
-            d[i] = fp8_divisor(s[i]);
         unsigned char* dst = data + static_cast<i64>(row0) * cols + col;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i)
             if (static_cast<u32>(i) < rows_here)
-                *reinterpret_cast<uint2*>(dst + static_cast<i64>(i) * cols) = quantize_bf16x8(v[i], d);
+                *reinterpret_cast<uint2*>(dst + static_cast<i64>(i) * cols) = out[i];
         if (rg == 0 && col_ok) {
-            float4* out = reinterpret_cast<float4*>(scale + static_cast<i64>(rb) * cols + col);
-            out[0] = make_float4(s[0], s[1], s[2], s[3]);
-            out[1] = make_float4(s[4], s[5], s[6], s[7]);
+            float4* scale_out = reinterpret_cast<float4*>(scale + static_cast<i64>(rb) * cols + col);
+            scale_out[0] = make_float4(fp8_scale_of(m.x & 0xffffu), fp8_scale_of(m.x >> 16),
+                                       fp8_scale_of(m.y & 0xffffu), fp8_scale_of(m.y >> 16));
+            scale_out[1] = make_float4(fp8_scale_of(m.z & 0xffffu), fp8_scale_of(m.z >> 16),
+                                       fp8_scale_of(m.w & 0xffffu), fp8_scale_of(m.w >> 16));
         }
     }
 }
