@@ -18,8 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deep_gemm_ext import jit  # noqa: E402
-from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, routing_metadata, swiglu,  # noqa: E402
-                                       swiglu_backward, swiglu_forward)
+from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, quantize_cols_fp8, quantize_rows_fp8,  # noqa: E402
+                                       routing_metadata, swiglu, swiglu_backward, swiglu_forward,
+                                       swiglu_forward_fp8)
+from deep_gemm_ext.recipes import fp8  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch, pool_rows  # noqa: E402
 from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms  # noqa: E402
 
@@ -111,6 +113,19 @@ def main() -> None:
         ("combine rows", lambda: combine_rows(o, meta.slot_to_row, weights, K),
          lambda: combine_torch(o, meta.slot_to_row, weights, K), (T * K * H * 2 + T * H * 2 + T * K * 8) * gb),
     ]
+    # Blockwise fp8 (torch: recipes.fp8's quantizers): bf16 read, e4m3 + one fp32 scale per 128 written.
+    for m, k in ((131072, 2048), (131072, 768)):
+        xq = torch.randn(m, k, device=dev).bfloat16()
+        rows.append((f"fp8 quantize rows [{m}, {k}]", lambda xq=xq: quantize_rows_fp8(xq),
+                     lambda xq=xq: fp8.quantize_rows(xq), (m * k * 3 + m * fp8.num_blocks(k) * 4) * gb))
+    xc = torch.randn(131072, 2048, device=dev).bfloat16()
+    rows.append(("fp8 quantize cols [131072, 2048]", lambda: quantize_cols_fp8(xc), lambda: fp8.quantize_cols(xc),
+                 (131072 * 2048 * 3 + 1024 * 2048 * 4) * gb))
+    rows.append((f"fp8 quantize gathered pool [{P}, {H}]", lambda: quantize_rows_fp8(x, gather=(meta.row_to_slot, K)),
+                 lambda: fp8.quantize_rows(gather_torch(x, meta.row_to_slot, K)),
+                 (T * K * H * 2 + P * H + P * fp8.num_blocks(H) * 4 + P * 4) * gb))
+    rows.append((f"fp8 swiglu forward + quantize [{P}, {2 * I}]", lambda: swiglu_forward_fp8(h),
+                 lambda: fp8.quantize_rows(swiglu_forward(h)), (P * I * 5 + P * fp8.num_blocks(I) * 4) * gb))
     results = []
     for name, ours_fn, torch_fn, gigabytes in rows:
         ours_us = time_us(ours_fn, args.repeats)
@@ -133,6 +148,12 @@ def main() -> None:
         print(f"| {name} | {ours_us:.1f} | {torch_us:.1f} | {torch_us / ours_us:.2f}x | "
               f"{gigabytes / (ours_us * 1e-6):.0f} |")
     print(f"\nrouting bit-identical to compute_routing_torch: {routing_ok}")
+    xs = torch.randn(4096, 2048, device=dev).bfloat16()
+    fp8_ok = all(torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a.view(torch.int32),
+                             b.view(torch.uint8) if b.dtype == fp8.FP8_DTYPE else b.view(torch.int32))
+                 for got, ref in ((quantize_rows_fp8(xs), fp8.quantize_rows(xs)),
+                                  (quantize_cols_fp8(xs), fp8.quantize_cols(xs))) for a, b in zip(got, ref))
+    print(f"fp8 quantizers bit-identical to recipes.fp8 (rows, cols at [4096, 2048]): {fp8_ok}")
     print("\n| host time per warm launch (2000 launches) | us |")
     print("|---|---|")
     print(f"| Kernel.launch (tiny kernel, 5 args) | {raw_us:.2f} |")

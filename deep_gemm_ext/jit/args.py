@@ -19,8 +19,11 @@ _POINTER_DTYPES = {
     "const int*": torch.int32, "int*": torch.int32,
     "const float*": torch.float32, "float*": torch.float32,
     "const __nv_bfloat16*": torch.bfloat16, "__nv_bfloat16*": torch.bfloat16,
+    # e4m3 data, written by the kernels as raw bytes (no cuda_fp8.h needed).
+    "unsigned char*": torch.float8_e4m3fn,
 }
-_SCALARS = {"uint32_t": ctypes.c_uint32, "float": ctypes.c_float}
+# "unsigned int" is uint32_t for sources that include no <cstdint> (NVRTC ships no C++ library).
+_SCALARS = {"uint32_t": ctypes.c_uint32, "unsigned int": ctypes.c_uint32, "float": ctypes.c_float}
 CTYPES = (*_POINTER_DTYPES, *_SCALARS, "CUtensorMap")
 
 
@@ -58,7 +61,7 @@ def _pack_one(kernel: str, arg: KernelArg, value):
         if not isinstance(value, TensorMap):
             raise TypeError(f"{where}: expected a jit.TensorMap, got {type(value).__name__}")
         return value
-    if arg.ctype == "uint32_t":
+    if _SCALARS.get(arg.ctype) is ctypes.c_uint32:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 32:
             raise TypeError(f"{where}: expected an int in [0, 2**32), got {value!r}")
         return ctypes.c_uint32(value)

@@ -6,6 +6,7 @@ import functools
 import torch
 
 from ..jit import select_compiler
+from .fp8_quant import quantize_cols_fp8, quantize_rows_fp8, swiglu_forward_fp8
 from .gather_combine import combine_rows, combine_slots, gather_rows
 from .routing import routing_metadata
 from .sm90_bf16_grouped_gemm import (Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
@@ -31,5 +32,6 @@ def available(device_index: int) -> bool:
 __all__ = ["Gather", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
            "k_grouped_bf16_gemm_tn_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nn_swiglu_bwd",
-           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu", "routing_metadata",
-           "swiglu_backward", "swiglu_epilogue_supported", "swiglu_forward"]
+           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu", "quantize_cols_fp8",
+           "quantize_rows_fp8", "routing_metadata", "swiglu_backward", "swiglu_epilogue_supported",
+           "swiglu_forward", "swiglu_forward_fp8"]

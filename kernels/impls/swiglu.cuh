@@ -21,6 +21,14 @@ __device__ __forceinline__ float clamp_gate(float g, float c) { return kClamp ? 
 template <bool kClamp>
 __device__ __forceinline__ float clamp_up(float u, float c) { return kClamp ? clamp_abs(u, c) : u; }
 
+// One act element in fp32 (before its bf16 rounding); every forward kernel computes it with this,
+// so all of them agree bit for bit.
+template <bool kClamp>
+__device__ __forceinline__ float swiglu_act(float g, float u, float c) {
+    const float z = clamp_gate<kClamp>(g, c);
+    return z * sigmoid(z) * clamp_up<kClamp>(u, c);
+}
+
 // Elementwise: a flat grid-stride loop over 16-byte vectors; (row, col) advance incrementally
 // so the loop holds no 64-bit division.
 template <bool kClamp>
@@ -41,10 +49,8 @@ swiglu_forward_kernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __rest
         unpack_bf16x8(load_stream_v4(g_ptr), g);
         unpack_bf16x8(load_stream_v4(g_ptr + inter), u);
 #pragma unroll
-        for (int i = 0; i < kBf16PerVec; ++i) {
-            const float z = clamp_gate<kClamp>(g[i], clamp);
-            out[i] = z * sigmoid(z) * clamp_up<kClamp>(u[i], clamp);
-        }
+        for (int i = 0; i < kBf16PerVec; ++i)
+            out[i] = swiglu_act<kClamp>(g[i], u[i], clamp);
         store_v4(act + row * inter + col * kBf16PerVec, pack_bf16x8(out));
         col += col_step;
         if (col >= vecs_per_row) {

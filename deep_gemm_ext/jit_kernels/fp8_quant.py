@@ -1,0 +1,259 @@
+"""Blockwise-fp8 quantization of bf16 tensors on the GPU (kernels/impls/fp8_quant.cuh).
+
+Each function is one pass over its input and produces bit for bit what the torch quantizers of
+``deep_gemm_ext.recipes.fp8`` produce for the same CUDA tensor (``quantize_rows``, ``quantize_cols``):
+e4m3 data and one fp32 scale per 1x128 (rows) or 128x1 (columns) tile, scale
+``max(amax, AMAX_FLOOR) * fl32(1/448)`` over the tile's finite values (torch's CUDA division by the
+Python scalar 448 multiplies by its fp32 reciprocal; on the CPU torch divides, which differs in the
+last bit for about half of all amaxes), ``data = x / scale`` rounded to nearest even, non-finite
+elements stored as NaN (0x7f), ragged last tiles covering the remaining elements only.
+
+- :func:`quantize_rows_fp8`: ``x [M, K]`` -> ``(data [M, K], scale [M, ceil(K/128)])``; with
+  ``gather=(row_to_slot, top_k)`` it quantizes the dispatched pool instead (row ``r`` is
+  ``x[row_to_slot[r] // top_k]``, padding rows ``row_to_slot[r] < 0`` are zeros), i.e.
+  ``quantize_rows(gather_rows(x, row_to_slot, top_k))`` without the bf16 pool.
+- :func:`quantize_cols_fp8`: ``x [R, M]`` -> ``(data [R, M], scale [ceil(R/128), M])``, 128-row
+  tiles from row 0 (in the routed pool every expert starts on a multiple of 128).
+- :func:`swiglu_forward_fp8`: ``h [P, 2I]`` -> the rows of ``act = swiglu_forward(h, clamp)`` (the
+  JIT kernel's bf16 act) quantized, optionally with act itself.
+
+Rows need a multiple of 8 elements (16-byte vectors).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import jit
+from ..jit import KernelArg
+
+FP8_BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+_THREADS = 256
+_WARPS = _THREADS // 32
+#: Tiles each half warp quantizes per step of the row kernel (loads in flight per lane).
+TILES_PER_HALF_WARP = 2
+#: Rows each thread of the column kernel holds (its CTA covers 128 rows x 256 * this / 16 columns).
+COL_ROWS_PER_THREAD = 8
+_COL_BLOCK_COLS = _THREADS * COL_ROWS_PER_THREAD // FP8_BLOCK * 8
+#: Work items (row tiles, or 128x128 column blocks) per launch: the kernels index them in 32 bits,
+#: larger tensors are quantized in several launches.
+_MAX_ITEMS = 2 ** 31 - 1
+_INCLUDE = "#include <impls/fp8_quant.cuh>\n"
+
+_ROW_ARGS = (
+    KernelArg("x", "const __nv_bfloat16*"), KernelArg("row_to_slot", "const int*", nullable=True),
+    KernelArg("data", "unsigned char*"), KernelArg("scale", "float*"),
+    KernelArg("act", "__nv_bfloat16*", nullable=True), KernelArg("num_rows", "unsigned int"),
+    KernelArg("cols", "unsigned int"), KernelArg("top_k", "unsigned int"), KernelArg("num_tokens", "unsigned int"),
+    KernelArg("clamp", "float"),
+)
+_COL_ARGS = (KernelArg("x", "const __nv_bfloat16*"), KernelArg("data", "unsigned char*"),
+             KernelArg("scale", "float*"), KernelArg("num_rows", "unsigned int"), KernelArg("cols", "unsigned int"))
+
+_SOURCES = {"rows": "kRows", "gather": "kGather", "swiglu": "kSwiglu"}
+
+
+def _rows_code(source: str, clamp: bool) -> str:
+    return _INCLUDE + (f"template __global__ void dge::quantize_rows_kernel<dge::Fp8RowSource::{_SOURCES[source]}, "
+                       f"{'true' if clamp else 'false'}, {TILES_PER_HALF_WARP}>({jit.render_types(_ROW_ARGS)});\n")
+
+
+_ROWS = {
+    ("rows", False): ("fp8_quant_rows", _rows_code("rows", False)),
+    ("gather", False): ("fp8_quant_rows_gather", _rows_code("gather", False)),
+    ("swiglu", False): ("fp8_quant_swiglu_plain", _rows_code("swiglu", False)),
+    ("swiglu", True): ("fp8_quant_swiglu_clamp", _rows_code("swiglu", True)),
+}
+_COLS = ("fp8_quant_cols", _INCLUDE + (f"template __global__ void dge::quantize_cols_kernel<{COL_ROWS_PER_THREAD}>"
+                                        f"({jit.render_types(_COL_ARGS)});\n"))
+
+
+@jit.register("fp8_quant")
+def configs():
+    return [(name, code, False) for name, code in [*_ROWS.values(), _COLS]]
+
+
+def num_blocks(size: int) -> int:
+    """Scales along a dimension of ``size`` elements: ``ceil(size / 128)``."""
+    return -(-size // FP8_BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def _check_bf16_input(label: str, x, cols_multiple: int = 8) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        raise ValueError(f"{label}: expected a CUDA tensor, got {_describe(x)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{label}: dtype {x.dtype}, expected torch.bfloat16")
+    if x.dim() != 2 or x.shape[1] % cols_multiple:
+        raise ValueError(f"{label}: shape {tuple(x.shape)}, expected 2-D with a column count divisible by "
+                         f"{cols_multiple} (16-byte vectors)")
+    if x.shape[0] >= 2 ** 31 or x.shape[1] >= 2 ** 31:
+        raise ValueError(f"{label}: shape {tuple(x.shape)}, expected fewer than 2**31 rows and columns")
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation is 16-byte aligned
+    return x
+
+
+def _output(label: str, given, shape: tuple, dtype: torch.dtype, device: torch.device, align: int) -> torch.Tensor:
+    """``given`` checked against what the kernel writes, or a new tensor."""
+    if given is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(given, torch.Tensor):
+        raise TypeError(f"{label}: expected a torch.Tensor or None, got {type(given).__name__}")
+    if given.dtype != dtype or tuple(given.shape) != tuple(shape) or given.device != device:
+        raise ValueError(f"{label}: got {_describe(given)}; expected a {dtype} tensor of shape {tuple(shape)} "
+                         f"on {device}")
+    if not given.is_contiguous() or given.data_ptr() % align:
+        raise ValueError(f"{label}: must be contiguous and {align}-byte aligned (stride {given.stride()}, "
+                         f"address {given.data_ptr():#x})")
+    return given
+
+
+def _check_gather(gather, device: torch.device):
+    if not (isinstance(gather, tuple) and len(gather) == 2):
+        raise ValueError(f"gather: expected None or a tuple (row_to_slot, top_k), got {type(gather).__name__}")
+    row_to_slot, top_k = gather
+    if not isinstance(row_to_slot, torch.Tensor) or row_to_slot.dtype != torch.int32 or row_to_slot.dim() != 1 \
+            or row_to_slot.device != device:
+        raise ValueError(f"gather: row_to_slot is {_describe(row_to_slot)}; expected a 1-D int32 tensor on {device}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < 2 ** 31:
+        raise ValueError(f"gather: top_k={top_k!r}, expected a positive int")
+    return row_to_slot.contiguous(), top_k
+
+
+def _check_clamp(clamp) -> float:
+    if clamp is None:
+        return math.inf
+    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0:
+        raise ValueError(f"clamp={clamp!r}: expected None or a positive float")
+    return float(clamp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches
+
+_resident: dict[str, int] = {}
+
+
+def resident_ctas_per_sm(kernel) -> int:
+    """CTAs of ``kernel`` one SM holds at once, from its register count (ptxas' report): the
+    grid-stride kernels launch one full wave, since CTAs beyond it would run as a short second
+    wave with as much work each as the first. 4 when the report is missing."""
+    count = _resident.get(kernel.name)
+    if count is None:
+        usages = kernel.resources()
+        if usages:
+            regs = -(-max(u.registers for u in usages) // 8) * 8  # allocated per warp in units of 256
+            count = max(1, min(2048 // _THREADS, 65536 // (max(regs, 8) * _THREADS)))
+        else:
+            count = 4
+        _resident[kernel.name] = count
+    return count
+
+
+def _grid(kernel, work_ctas: int, device) -> tuple[int, int, int]:
+    return (max(1, min(work_ctas, jit.num_sms(device) * resident_ctas_per_sm(kernel))), 1, 1)
+
+
+def _launch_rows(config, x, data, scale, *, row_to_slot=None, act=None, top_k=1, clamp=math.inf) -> None:
+    """Quantize ``data.shape[0]`` rows in launches of at most _MAX_ITEMS tiles."""
+    rows, cols = data.shape
+    tiles = num_blocks(cols)
+    if rows == 0 or cols == 0:
+        return
+    chunk = max(1, _MAX_ITEMS // tiles)
+    kernel = jit.build(*config)
+    gathered = row_to_slot is not None
+    with jit.device_guard(data):
+        for start in range(0, rows, chunk):
+            stop = min(rows, start + chunk)
+            n = stop - start
+            args = jit.pack_args(
+                config[0], _ROW_ARGS,
+                x=x if gathered else x[start:stop], row_to_slot=None if not gathered else row_to_slot[start:stop],
+                data=data[start:stop], scale=scale[start:stop], act=None if act is None else act[start:stop],
+                num_rows=n, cols=cols, top_k=top_k, num_tokens=x.shape[0] if gathered else n, clamp=clamp)
+            per_cta = _WARPS * 2 * TILES_PER_HALF_WARP
+            kernel.launch(_grid(kernel, -(-n * tiles // per_cta), data.device), (_THREADS, 1, 1), args)
+
+
+def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | None = None,
+                      out: torch.Tensor | None = None,
+                      scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along each row: ``x [M, K]`` bf16 -> ``(data [M, K] e4m3, scale [M, ceil(K/128)] fp32)``,
+    bit for bit ``recipes.fp8.quantize_rows(x)``. K must be a multiple of 8.
+
+    ``gather=(row_to_slot, top_k)`` quantizes the pool ``[P, K]`` (P = ``row_to_slot.shape[0]``) whose
+    row r is ``x[row_to_slot[r] // top_k]``, and zeros (data 0, the zero tile's scale) where
+    ``row_to_slot[r] < 0`` or the token is out of range, as ``jit_kernels.gather_rows`` builds it.
+    ``out`` / ``scale_out``: contiguous tensors of exactly the output's shape and dtype to write into
+    (``out`` 8-byte aligned).
+    """
+    x = _check_bf16_input("x", x)
+    row_to_slot = top_k = None
+    if gather is not None:
+        row_to_slot, top_k = _check_gather(gather, x.device)
+    rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    cols = x.shape[1]
+    data = _output("out", out, (rows, cols), FP8_DTYPE, x.device, 8)
+    scale = _output("scale_out", scale_out, (rows, num_blocks(cols)), torch.float32, x.device, 4)
+    if row_to_slot is None:
+        _launch_rows(_ROWS["rows", False], x, data, scale)
+    else:
+        _launch_rows(_ROWS["gather", False], x, data, scale, row_to_slot=row_to_slot, top_k=top_k)
+    return data, scale
+
+
+def swiglu_forward_fp8(h: torch.Tensor, clamp: float | None = None, *, return_act: bool = False,
+                       out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None):
+    """``act = silu(min(g, c)) * clamp(u, -c, c)`` of ``h = [g | u] [P, 2I]`` bf16, rounded to bf16 exactly
+    as ``jit_kernels.swiglu_forward`` rounds it, then quantized 1x128 along I:
+    ``(data [P, I] e4m3, scale [P, ceil(I/128)] fp32)``, bit for bit
+    ``recipes.fp8.quantize_rows(swiglu_forward(h, clamp))``; with ``return_act=True`` also act
+    (``(data, scale, act)``). I must be a multiple of 8."""
+    h = _check_bf16_input("h", h, cols_multiple=16)
+    c = _check_clamp(clamp)
+    if not isinstance(return_act, bool):
+        raise ValueError(f"return_act={return_act!r}: expected a bool")
+    rows, inter = h.shape[0], h.shape[1] // 2
+    data = _output("out", out, (rows, inter), FP8_DTYPE, h.device, 8)
+    scale = _output("scale_out", scale_out, (rows, num_blocks(inter)), torch.float32, h.device, 4)
+    act = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device) if return_act else None
+    _launch_rows(_ROWS["swiglu", clamp is not None], h, data, scale, act=act, clamp=c)
+    return (data, scale, act) if return_act else (data, scale)
+
+
+def quantize_cols_fp8(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                      scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 tiles down each column: ``x [R, M]`` bf16 -> ``(data [R, M] e4m3, scale [ceil(R/128), M] fp32)``,
+    bit for bit ``recipes.fp8.quantize_cols(x)``: tile i covers rows [128 i, 128 i + 128) of each column
+    (a ragged last one the remaining rows). M must be a multiple of 8. ``out`` must be 8-byte and
+    ``scale_out`` 16-byte aligned."""
+    x = _check_bf16_input("x", x)
+    rows, cols = x.shape
+    data = _output("out", out, (rows, cols), FP8_DTYPE, x.device, 8)
+    scale = _output("scale_out", scale_out, (num_blocks(rows), cols), torch.float32, x.device, 16)
+    if rows == 0 or cols == 0:
+        return data, scale
+    col_blocks = -(-cols // _COL_BLOCK_COLS)
+    chunk = FP8_BLOCK * max(1, min(_MAX_ITEMS // col_blocks, _MAX_ITEMS // FP8_BLOCK))
+    kernel = jit.build(*_COLS)
+    with jit.device_guard(x):
+        for start in range(0, rows, chunk):
+            stop = min(rows, start + chunk)
+            blocks = num_blocks(stop - start) * col_blocks
+            kernel.launch(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), jit.pack_args(
+                _COLS[0], _COL_ARGS, x=x[start:stop], data=data[start:stop],
+                scale=scale[start // FP8_BLOCK:num_blocks(stop)], num_rows=stop - start, cols=cols))
+    return data, scale
