@@ -24,7 +24,7 @@ import torch
 
 from .. import jit
 from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, GemmConfig, Scatter, _check_expert_weight,
-                                     _check_inputs, _check_multiple, _check_out, _check_scatter, _launch)
+                                     _check_inputs, _check_multiple, _check_out, _check_scatter, _check_tensor, _launch)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -58,8 +58,14 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     and row r goes to out[row_to_slot[r]] (times the slot's weight when given), as in
     ``m_grouped_bf16_gemm_nt_contiguous``.
     """
-    num_experts = _check_inputs(a_q, b_q, 3, starts, ends, names=("a_q", "b_q"), dtype=FP8_DTYPE,
-                                extra=(("sa", sa, 2, torch.float32), ("sb", sb, 3, torch.float32)))
+    # Types and shapes first (checkable anywhere), then devices.
+    for label, t, dim, dtype in (("a_q", a_q, 2, FP8_DTYPE), ("sa", sa, 2, torch.float32), ("b_q", b_q, 3, FP8_DTYPE),
+                                 ("sb", sb, 3, torch.float32), ("starts", starts, 1, torch.int32),
+                                 ("ends", ends, 1, torch.int32)):
+        _check_tensor(label, t, dim, dtype)
+    if starts.shape != ends.shape:
+        raise ValueError(f"starts {tuple(starts.shape)} and ends {tuple(ends.shape)}: expected the same shape [E]")
+    num_experts = starts.shape[0]
     rows, k = a_q.shape
     experts_b, n, k_b = b_q.shape
     _check_expert_weight("b_q", b_q, experts_b, k_b, num_experts, k, "K", "a_q", a_q)
@@ -69,10 +75,12 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     if tuple(sb.shape) != (num_experts, _blocks(n), _blocks(k)):
         raise ValueError(f"sb: shape {tuple(sb.shape)}, expected ({num_experts}, {_blocks(n)}, {_blocks(k)}) (one "
                          f"scale per {SCALE_BLOCK}x{SCALE_BLOCK} block of b_q {tuple(b_q.shape)}, rounded up)")
-    _check_scatter(scatter, rows, a_q.device)
-    out = _check_out(out, (rows if scatter is None else scatter.num_slots, n), a_q.device)
     _check_multiple("K", k, 16, "16-byte rows of e4m3 for TMA")
     _check_multiple("N", n, 8, "16-byte rows of the bf16 output for TMA")
+    _check_inputs(a_q, b_q, 3, starts, ends, names=("a_q", "b_q"), dtype=FP8_DTYPE,
+                  extra=(("sa", sa, 2, torch.float32), ("sb", sb, 3, torch.float32)))
+    _check_scatter(scatter, rows, a_q.device)
+    out = _check_out(out, (rows if scatter is None else scatter.num_slots, n), a_q.device)
     if rows == 0 or num_experts == 0 or n == 0:
         return out
     if k == 0:
