@@ -19,8 +19,11 @@ expert owns must stay NaN, every owned row must be written). Operands and bounds
   relative Frobenius error <= 2^-8 overall and <= 2^-7 per row.
 - realistic: Gaussian data quantized by ``quantize_rows`` / ``quantize_weight_blocks`` (the full
   e4m3 range): the tensor cores keep about 14 bits of a k-block's sum (DeepSeek-V3 report, 3.5.2),
-  so the bound is looser: relative Frobenius error <= 2e-2 overall and <= 4e-2 per row, against
-  the emulation and against fp64 (the e4m3 quantization error itself is about 4%).
+  so the bound is looser: relative Frobenius error <= 1e-2 overall and <= 2e-2 per row, against
+  the emulation and against fp64. A model of that accumulation (products aligned to the largest
+  term, including the running sum, floored to 14 bits; the sum truncated to 13 mantissa bits)
+  gives 1.0e-3 overall and 1.5e-3 in the worst row at K = 2048 (1.9e-3 with the bf16 rounding);
+  the e4m3 quantization error itself is about 4%.
 
 Shapes: Qwen3-30B-A3B's (N=1536, K=2048 and N=2048, K=768), ragged N and K (not multiples of 128),
 one partial k-block, routed pools (uniform, Zipf, empty experts, one expert), hand-made expert
@@ -308,7 +311,7 @@ def _check(out, a_q, sa, b_q, sb, starts, ends, *, mode: str, what: str):
             f"{where} relative error vs emulation {err_all:.2e} (all), {worst_row:.2e} (worst row)"
     else:
         err64, rows64 = _rel(got, ref).item(), _rel(got, ref, 1).max().item()
-        assert err_all <= 2e-2 and worst_row <= 4e-2 and err64 <= 2e-2 and rows64 <= 4e-2, (
+        assert err_all <= 1e-2 and worst_row <= 2e-2 and err64 <= 1e-2 and rows64 <= 2e-2, (
             f"{where} relative error vs emulation {err_all:.2e} (all), {worst_row:.2e} (worst row); vs fp64 "
             f"{err64:.2e}, {rows64:.2e}")
 
