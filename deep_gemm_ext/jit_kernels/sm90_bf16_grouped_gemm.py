@@ -111,6 +111,7 @@ _LOADERS = {None: "dge::gemm::LoaderTma", "tma": "dge::gemm::LoaderGatherTmaRows
             "cp_async": "dge::gemm::LoaderGatherCpAsyncA"}
 GATHER_MODES = ("tma", "cp_async")
 
+
 class Mainloop(NamedTuple):
     """A mainloop policy of the core by operand type: GemmTraits' ElementType, its C++ class, its
     header and the kernel arguments it reads (after the core's, before the epilogue's)."""
@@ -192,7 +193,7 @@ class GemmConfig:
         epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
         loader = "dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _LOADERS[self.gather_a]
         mainloop = MAINLOOPS[self.dtype]
-        if self.dtype == "bf16":  # the bf16 sources predate the element type: keep their text (and cache keys)
+        if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
             includes = f"#include <{epilogue.header}>\n"
             extra = ", dge::gemm::Schedule::Pingpong" if self.schedule == "pingpong" else ""
         else:

@@ -14,11 +14,11 @@
 // TMA stores, slot scatter, SwiGLU). The operand element type is the traits' (kElement): bf16 with
 // MainloopBF16, or blockwise-scaled e4m3 with MainloopFP8 (mma/sm90_mainloop_fp8.cuh: e4m3 wgmma
 // m64n128k32, the partial sum of each 128-wide k-block promoted into the fp32 accumulators with
-// its scales); the loaders, scheduler and epilogues are shared. Schedules (GemmTraits::kSchedule): cooperative, both
-// consumers on every 128 x BLOCK_N tile with 64 rows each; ping-pong, each consumer on alternate
-// tiles with all 128 rows, the two mainloops taking turns (named barriers 3, 4) so that one
-// warpgroup's epilogue runs under the other's mainloop. Each output element is the same fp32 sum
-// in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
+// its scales); the loaders, scheduler and epilogues are shared. Schedules (GemmTraits::kSchedule):
+// cooperative, both consumers on every 128 x BLOCK_N tile with 64 rows each; ping-pong, each
+// consumer on alternate tiles with all 128 rows, the two mainloops taking turns (named barriers 3,
+// 4) so that one warpgroup's epilogue runs under the other's mainloop. Each output element is the
+// same fp32 sum in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
 // tile order is the scheduler's (scheduler/sm90_grouped.cuh).
 //
 // kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
