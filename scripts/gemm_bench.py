@@ -2,6 +2,7 @@
 
     python scripts/gemm_bench.py [--workload qwen3-30b-a3b-t16384] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --schedules [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --fp8 [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows the experts own, and
@@ -10,6 +11,10 @@ the ratio to torch._grouped_mm on the same operands (offs = ends). Prints a tabl
 --schedules: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
 TFLOP/s of the cooperative and the ping-pong consumer schedule (the launchers' ``schedule``
 argument; DGE_GEMM_SCHEDULE for the layer) and of one dense cuBLAS GEMM (torch.matmul) of the same M x N x K.
+
+--fp8: per M-grouped GEMM of each workload (L1/L2 forward, and the dgrads on the transposed weight
+copies), TFLOP/s of our blockwise-fp8 GEMM (m_grouped_fp8_gemm_nt_contiguous, operands quantized by
+recipes.fp8 beforehand, not timed) next to our bf16 GEMM on the same random operands.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg  # noqa: E402
+from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg  # noqa: E402
+from deep_gemm_ext.recipes import fp8 as fp8_recipe  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
 from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms  # noqa: E402
 
@@ -132,18 +139,82 @@ def _schedule_table(args) -> int:
     return 0
 
 
+def _fp8_cases(w):
+    """(name, dense (M, N, K), bf16 GEMM, fp8 GEMM) per M-grouped GEMM of the layer, on the same random
+    operands (fp8: quantized once here, 1x128 activations and 128x128 weight blocks)."""
+    torch.manual_seed(0)
+    idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
+    meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
+    starts, ends = meta.starts, meta.ends
+    used = int(ends[-1].item())
+    pad = meta.row_to_slot < 0
+    rows = meta.num_pool_rows
+    E, H, I = w.num_experts, w.hidden, w.intermediate
+    x, act = _pool(rows, H, pad), _pool(rows, I, pad)
+    dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
+    l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
+    q = {name: fp8_recipe.quantize_rows(t) for name, t in (("x", x), ("act", act), ("dy", dy), ("dh", dh))}
+
+    def fp8(a, weights):
+        return lambda: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *weights, starts, ends)
+
+    return [
+        ("L1 fwd  nt", (used, 2 * I, H), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends),
+         fp8("x", w1.nk)),
+        ("L2 fwd  nt", (used, H, I), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(act, l2, starts, ends),
+         fp8("act", w2.nk)),
+        ("L2 dgrad", (used, I, H), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, starts, ends),
+         fp8("dy", w2.kn)),
+        ("L1 dgrad", (used, H, 2 * I), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dh, l1, starts, ends),
+         fp8("dh", w1.kn)),
+    ]
+
+
+def _fp8_table(args) -> int:
+    results = []
+    for workload in args.workload or ("qwen3-30b-a3b-t16384",):
+        w = WORKLOADS[workload]
+        for name, (m, n, k), bf16, fp8 in _fp8_cases(w):
+            flops = 2.0 * m * n * k
+            bf16_ms, fp8_ms = median_ms(bf16, args.reps), median_ms(fp8, args.reps)
+            results.append({"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bf16_us": bf16_ms * 1e3,
+                             "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
+                             "fp8_tflops": flops / fp8_ms / 1e9})
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"TFLOP/s on {torch.cuda.get_device_name()}: our bf16 GEMM (nt forward, nn dgrad) and our blockwise-fp8 "
+          "GEMM (nt on the transposed weight copy for the dgrads)")
+    print(f"{'workload':<22} | {'gemm':<10} | {'M x N x K':>20} | {'bf16 us':>8} | {'bf16':>6} | {'fp8 us':>8} | "
+          f"{'fp8':>6} | fp8/bf16")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{r['workload']:<22} | {r['gemm']:<10} | {shape:>20} | {r['bf16_us']:8.1f} | {r['bf16_tflops']:6.1f} | "
+              f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_tflops'] / r['bf16_tflops']:7.2f}x")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
-                        help="the layer (repeatable with --schedules; default qwen3-30b-a3b-t16384, with "
-                             f"--schedules {' and '.join(_SCHEDULE_WORKLOADS)})")
+                        help="the layer (repeatable with --schedules and --fp8; default qwen3-30b-a3b-t16384, "
+                             f"with --schedules {' and '.join(_SCHEDULE_WORKLOADS)})")
     parser.add_argument("--schedules", action="store_true",
                         help="cooperative vs ping-pong vs dense cuBLAS TFLOP/s per GEMM")
+    parser.add_argument("--fp8", action="store_true",
+                        help="our blockwise-fp8 GEMM vs our bf16 GEMM TFLOP/s per M-grouped GEMM of the layer")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args()
-    if not args.schedules and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules")
+    if args.schedules and args.fp8:
+        parser.error("--schedules and --fp8: one table at a time")
+    if not (args.schedules or args.fp8) and args.workload and len(args.workload) > 1:
+        parser.error("--workload: one workload without --schedules or --fp8")
+    if args.fp8:
+        return _fp8_table(args)
     return _schedule_table(args) if args.schedules else _grouped_table(args)
 
 

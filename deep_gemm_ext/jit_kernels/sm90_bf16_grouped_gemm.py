@@ -39,6 +39,8 @@ from .swiglu import _check_clamp
 GROUP_ALIGNMENT = TOKEN_GROUP_ALIGNMENT
 _BLOCK_M = 128
 _BLOCK_K = 64
+#: Bytes of one operand row in a stage (the 128-byte swizzle span): TMA boxes are 64 rows of it.
+STAGE_ROW_BYTES = 128
 _THREADS = 384
 # M blocks per scheduler group (tiles of GROUP_M pool blocks sweep all N blocks for L2 reuse).
 _GROUP_M = 16
@@ -69,7 +71,7 @@ CORE_ARGS = (
     KernelArg("starts", "const int*"), KernelArg("ends", "const int*"), KernelArg("num_experts", "uint32_t"),
     KernelArg("shape_m", "uint32_t"), KernelArg("shape_n", "uint32_t"), KernelArg("shape_k", "uint32_t"),
     KernelArg("gather_row_to_slot", "const int*"), KernelArg("gather_top_k", "uint32_t"),
-    KernelArg("gather_x", "const __nv_bfloat16*"), KernelArg("gather_x_rows", "uint32_t"),
+    KernelArg("gather_x", "const __nv_bfloat16*", nullable=True), KernelArg("gather_x_rows", "uint32_t"),
     KernelArg("tma_a", "CUtensorMap"), KernelArg("tma_b", "CUtensorMap"),
 )
 
@@ -110,6 +112,28 @@ _LOADERS = {None: "dge::gemm::LoaderTma", "tma": "dge::gemm::LoaderGatherTmaRows
 GATHER_MODES = ("tma", "cp_async")
 
 
+class Mainloop(NamedTuple):
+    """A mainloop policy of the core by operand type: GemmTraits' ElementType, its C++ class, its
+    header and the kernel arguments it reads (after the core's, before the epilogue's)."""
+    element: str
+    cpp: str
+    header: str
+    args: tuple[KernelArg, ...]
+
+
+MAINLOOPS = {
+    "bf16": Mainloop("BF16", "dge::gemm::MainloopBF16", "mma/sm90_mainloop.cuh", ()),
+    # Blockwise fp8 (recipes/fp8.py): e4m3 A [P, K] and B [E, N, K], both K-major, with fp32 scales
+    # [P, ceil(K/128)] and [E, ceil(N/128), ceil(K/128)].
+    "fp8": Mainloop("E4M3", "dge::gemm::MainloopFP8", "mma/sm90_mainloop_fp8.cuh",
+                    (KernelArg("scale_a", "const float*"), KernelArg("scale_b", "const float*"))),
+}
+#: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, 128-wide cooperative tiles,
+#: the plain TMA loader.
+_FP8_BLOCK_N = 128
+_FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """One instantiation of the core: layout, N tile, epilogue and loader (stages follow block_n)."""
@@ -121,6 +145,7 @@ class GemmConfig:
     gather_a: str | None = None  # gathering prologue ("tma" or "cp_async"): A rows come from x via row_to_slot
     gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
     schedule: str = "cooperative"  # consumer schedule: "cooperative" or "pingpong" (SCHEDULES)
+    dtype: str = "bf16"  # operand type, a key of MAINLOOPS: "bf16" or "fp8" (blockwise-scaled e4m3)
 
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
@@ -128,6 +153,15 @@ class GemmConfig:
         if self.block_n not in _WIDTHS[self.schedule]:
             raise ValueError(f"GemmConfig: block_n={self.block_n} with schedule={self.schedule!r}, expected one of "
                              f"{_WIDTHS[self.schedule]}")
+        if self.dtype not in MAINLOOPS:
+            raise ValueError(f"GemmConfig: dtype={self.dtype!r}, expected one of {tuple(MAINLOOPS)}")
+        if self.dtype == "fp8":
+            fp8 = dict(layout="nt", block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False,
+                       schedule="cooperative")
+            wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
+            if wrong or self.epilogue not in _FP8_EPILOGUES:
+                raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8} and an epilogue of {_FP8_EPILOGUES}, got "
+                                 f"{wrong or {'epilogue': self.epilogue}}")
 
     @property
     def stages(self) -> int:
@@ -135,7 +169,7 @@ class GemmConfig:
 
     @property
     def name(self) -> str:
-        name = f"sm90_bf16_grouped_gemm_{self.layout}_n{self.block_n}_s{self.stages}"
+        name = f"sm90_{self.dtype}_grouped_gemm_{self.layout}_n{self.block_n}_s{self.stages}"
         if self.paired_n:
             name += "_paired"
         if self.epilogue != "store":
@@ -150,24 +184,32 @@ class GemmConfig:
 
     @property
     def args(self) -> tuple[KernelArg, ...]:
-        """The kernel's arguments: the core's, then the epilogue's."""
-        return CORE_ARGS + _EPILOGUES[self.epilogue].args
+        """The kernel's arguments: the core's, the mainloop's, then the epilogue's."""
+        return CORE_ARGS + MAINLOOPS[self.dtype].args + _EPILOGUES[self.epilogue].args
 
     def code(self) -> str:
         gemm_type, major_a, major_b = _TYPES[self.layout]
         epilogue = _EPILOGUES[self.epilogue]
         epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
         loader = "dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _LOADERS[self.gather_a]
-        return (f"#include <{epilogue.header}>\n"
+        mainloop = MAINLOOPS[self.dtype]
+        if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
+            includes = f"#include <{epilogue.header}>\n"
+            extra = ", dge::gemm::Schedule::Pingpong" if self.schedule == "pingpong" else ""
+        else:
+            includes = f"#include <{epilogue.header}>\n#include <{mainloop.header}>\n"
+            extra = f", dge::gemm::Schedule::Cooperative, dge::gemm::ElementType::{mainloop.element}"
+        return (includes +
                 "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
                 f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
                 f"dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
                 f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M}"
-                f"{', dge::gemm::Schedule::Pingpong' if self.schedule == 'pingpong' else ''}>;\n"
+                f"{extra}>;\n"
                 f"using Epilogue = {epilogue_cpp};\n"
                 "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_grouped_gemm_kernel<\n"
-                f"    Traits, {loader}, dge::gemm::MainloopBF16, Epilogue, {jit.render_types(epilogue.args)}>);\n")
+                f"    Traits, {loader}, {mainloop.cpp}, Epilogue, "
+                f"{jit.render_types(mainloop.args + epilogue.args)}>);\n")
 
     def kernel(self) -> jit.Kernel:
         return jit.build(self.name, self.code())
@@ -254,13 +296,14 @@ def _check_tensor(label: str, tensor, dim: int, dtype: torch.dtype) -> None:
 
 
 def _check_inputs(a, b, b_dim: int, starts, ends, *, names: tuple[str, str] = ("a", "b"),
-                  extra: tuple = ()) -> int:
+                  extra: tuple = (), dtype: torch.dtype = torch.bfloat16) -> int:
     """dtype/shape checks first, then devices: all on one CUDA device. Returns E.
 
-    ``names``: how the messages call a and b; ``extra``: more (label, tensor, dim, dtype) operands."""
+    ``names``: how the messages call a and b; ``extra``: more (label, tensor, dim, dtype) operands;
+    ``dtype``: a's and b's."""
     a_name, b_name = names
-    _check_tensor(a_name, a, 2, torch.bfloat16)
-    _check_tensor(b_name, b, b_dim, torch.bfloat16)
+    _check_tensor(a_name, a, 2, dtype)
+    _check_tensor(b_name, b, b_dim, dtype)
     for label, tensor, dim, dtype in extra:
         _check_tensor(label, tensor, dim, dtype)
     _check_tensor("starts", starts, 1, torch.int32)
@@ -376,25 +419,27 @@ def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
 
 def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: dict, starts, ends,
             shape_m: int, shape_n: int, shape_k: int, max_tiles: int, gather: Gather | None = None,
-            gather_src: torch.Tensor | None = None) -> None:
-    """``epi_args``: the epilogue's kernel arguments by name (config.args declares them).
-    With ``gather``, ``gather_src`` (default ``a``) is the token matrix whose rows are gathered."""
+            gather_src: torch.Tensor | None = None, mainloop_args: dict | None = None) -> None:
+    """``epi_args`` / ``mainloop_args``: the epilogue's / the mainloop's kernel arguments by name
+    (config.args declares them). With ``gather``, ``gather_src`` (default ``a``) is the token matrix
+    whose rows are gathered."""
     kernel = config.kernel()
-    a_map = jit.make_tma_2d(a, 1, 64) if config.gather_a == "tma" else jit.make_tma_2d(a, 64, 64)
+    a_map = (jit.make_tma_2d(a, 1, 64) if config.gather_a == "tma"
+             else jit.make_tma_2d(a, 64, STAGE_ROW_BYTES // a.element_size()))
     grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
     if gather is not None:
         src = a if gather_src is None else gather_src
         gather_args = dict(gather_row_to_slot=gather.row_to_slot, gather_top_k=gather.top_k, gather_x=src,
                            gather_x_rows=src.shape[0])
     else:  # placeholders: LoaderTma reads none of them
-        gather_args = dict(gather_row_to_slot=starts, gather_top_k=1, gather_x=a, gather_x_rows=0)
+        gather_args = dict(gather_row_to_slot=starts, gather_top_k=1, gather_x=None, gather_x_rows=0)
     smem = config.smem_bytes()
     if _env.print_configs():
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
               f"stages={config.stages} grid={grid[0]} tiles<={max_tiles} smem={smem}", file=sys.stderr, flush=True)
     args = jit.pack_args(config.name, config.args, starts=starts, ends=ends, num_experts=starts.shape[0],
                          shape_m=shape_m, shape_n=shape_n, shape_k=shape_k, **gather_args, tma_a=a_map,
-                         tma_b=b_map, **epi_args)
+                         tma_b=b_map, **(mainloop_args or {}), **epi_args)
     kernel.launch(grid, (_THREADS, 1, 1), args, smem=smem)
 
 

@@ -11,11 +11,14 @@
 // TMA rows or a cp.async gather); warpgroups 0 and 1 are consumers, running the Mainloop policy
 // (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32 registers) and handing the
 // accumulators of each 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
-// TMA stores, slot scatter, SwiGLU). Schedules (GemmTraits::kSchedule): cooperative, both
-// consumers on every 128 x BLOCK_N tile with 64 rows each; ping-pong, each consumer on alternate
-// tiles with all 128 rows, the two mainloops taking turns (named barriers 3, 4) so that one
-// warpgroup's epilogue runs under the other's mainloop. Each output element is the same fp32 sum
-// in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
+// TMA stores, slot scatter, SwiGLU). The operand element type is the traits' (kElement): bf16 with
+// MainloopBF16, or blockwise-scaled e4m3 with MainloopFP8 (mma/sm90_mainloop_fp8.cuh: e4m3 wgmma
+// m64n128k32, the partial sum of each 128-wide k-block promoted into the fp32 accumulators with
+// its scales); the loaders, scheduler and epilogues are shared. Schedules (GemmTraits::kSchedule):
+// cooperative, both consumers on every 128 x BLOCK_N tile with 64 rows each; ping-pong, each
+// consumer on alternate tiles with all 128 rows, the two mainloops taking turns (named barriers 3,
+// 4) so that one warpgroup's epilogue runs under the other's mainloop. Each output element is the
+// same fp32 sum in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
 // tile order is the scheduler's (scheduler/sm90_grouped.cuh).
 //
 // kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
@@ -37,25 +40,44 @@
 
 namespace dge::gemm {
 
+// Calls f with all but the first kDrop of `args` (by reference: CUtensorMap arguments keep their
+// parameter-space address).
+template <uint32_t kDrop>
+struct DropArgs {
+    template <class F, class First, class... Rest>
+    __device__ __forceinline__ static void apply(F&& f, const First&, const Rest&... rest) {
+        DropArgs<kDrop - 1>::apply(f, rest...);
+    }
+};
+template <>
+struct DropArgs<0> {
+    template <class F, class... Rest>
+    __device__ __forceinline__ static void apply(F&& f, const Rest&... rest) {
+        f(rest...);
+    }
+};
+
 // Kernel arguments: the expert ranges and problem size, the loader's gather arguments (row map,
 // top_k, token matrix and its row count; placeholders for LoaderTma), the operand maps, then the
-// epilogue's arguments.
+// mainloop's arguments (Mainloop::kNumArgs of them: none for bf16, the scales for fp8), then the
+// epilogue's.
 template <class Traits, template <class> class Loader, template <class, bool> class Mainloop, class Epilogue,
-          class... EpiArgs>
+          class... ExtraArgs>
 __global__ void __launch_bounds__(kNumThreads, 1)
 sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__ ends, uint32_t num_experts,
                          uint32_t shape_m, uint32_t shape_n, uint32_t shape_k,
                          const int* __restrict__ gather_row_to_slot, uint32_t gather_top_k,
                          const __nv_bfloat16* __restrict__ gather_x, uint32_t gather_x_rows,
                          const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                         const __grid_constant__ EpiArgs... epi_args) {
+                         const __grid_constant__ ExtraArgs... extra_args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using Load = Loader<Traits>;
     using MMA = Mainloop<Traits, Load::kGenericProxyWrites>;
     using Layout = SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>;
     using Pipeline = sm90::TmaPipeline<Traits::kNumStages, Traits::kNumConsumerWarpsPerStage, Traits::kClusterN,
                                        Load::kCopyArrivals>;
-    using Scheduler = sched::GroupedScheduler<Traits::kType, BLOCK_M, BLOCK_K, Traits::kGroupM, Traits::kClusterN>;
+    using Scheduler =
+        sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     constexpr uint32_t kClusterN = Traits::kClusterN;
 
@@ -110,6 +132,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
+        // The mainloop reads its leading kernel arguments; the epilogue gets the rest.
+        const typename MMA::Params mainloop_params(shape_m, shape_n, shape_k, extra_args...);
         sm90::PipelineState<Traits::kNumStages> st;
         sched::GroupedTile tile;
         constexpr uint32_t kSlices = Traits::kSlicesPerWarpgroup;
@@ -126,7 +150,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
             if (wait_turn)
                 ptx::named_barrier_sync(kMainloopTurnBarrierBase + warpgroup, 256);
-            const uint32_t last_stage = MMA::mma(acc, pipe, st, t.num_k_blocks, stages, first_slice, lane);
+            const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, first_slice, lane);
             // The last wgmmas are issued: the other warpgroup's mainloop may start.
             if (pass_turn)
                 ptx::named_barrier_arrive(kMainloopTurnBarrierBase + (warpgroup ^ 1), 256);
@@ -139,7 +163,11 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             for (uint32_t s = 0; s < kSlices; ++s) {
                 const EpilogueTile<Traits::BLOCK_N, Traits::kPairedN> epi_tile{
                     Columns(t.n_block, shape_n), tile_row + (first_slice + s) * 64, t.m_block, t.n_block, t.expert};
-                epilogue(acc[s], epi_tile, epi_args...);
+                if constexpr (MMA::kNumArgs == 0)
+                    epilogue(acc[s], epi_tile, extra_args...);
+                else
+                    DropArgs<MMA::kNumArgs>::apply([&](const auto&... rest) { epilogue(acc[s], epi_tile, rest...); },
+                                                   extra_args...);
             }
         };
         if constexpr (!Traits::kPingpong) {

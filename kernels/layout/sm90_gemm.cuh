@@ -15,6 +15,8 @@ using mma::Major;
 using sched::GroupedGemmType;
 
 constexpr uint32_t BLOCK_M = 128;
+// K elements of a bf16 k-block; a k-block of any operand type is one 128-byte swizzled row per
+// M / N row of the stage (GemmTraits::kBlockK elements).
 constexpr uint32_t BLOCK_K = 64;
 constexpr uint32_t kNumConsumerWarpgroups = 2;
 constexpr uint32_t kNumThreads = 128 * (kNumConsumerWarpgroups + 1);
@@ -32,11 +34,17 @@ constexpr uint32_t kMainloopTurnBarrierBase = 3;
 //                their mainloops taking turns so that one's epilogue overlaps the other's mainloop.
 enum class Schedule : uint32_t { Cooperative = 0, Pingpong = 1 };
 
+// Operand element type of the A and B stages:
+//   BF16  bf16 x bf16, k-blocks of 64 (MainloopBF16);
+//   E4M3  e4m3 x e4m3 with fp32 block scales, k-blocks of 128 = one scale block (MainloopFP8).
+enum class ElementType : uint32_t { BF16 = 0, E4M3 = 1 };
+
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
-// CTAs per cluster along N, paired N tiling (below), the scheduler's M-block group and the
-// consumer schedule.
+// CTAs per cluster along N, paired N tiling (below), the scheduler's M-block group, the consumer
+// schedule and the operand element type.
 template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
-          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, Schedule kSchedule_ = Schedule::Cooperative>
+          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, Schedule kSchedule_ = Schedule::Cooperative,
+          ElementType kElement_ = ElementType::BF16>
 struct GemmTraits {
     static constexpr GroupedGemmType kType = kType_;
     static constexpr Major kMajorA = kMajorA_;
@@ -47,6 +55,9 @@ struct GemmTraits {
     static constexpr bool kPairedN = kPairedN_;
     static constexpr uint32_t kGroupM = kGroupM_;
     static constexpr Schedule kSchedule = kSchedule_;
+    static constexpr ElementType kElement = kElement_;
+    // K elements per k-block (one stage): 128 bytes of each operand row.
+    static constexpr uint32_t kBlockK = kElement == ElementType::BF16 ? BLOCK_K : 128;
     static constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
     static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
     static constexpr bool kPingpong = kSchedule == Schedule::Pingpong;
@@ -64,6 +75,12 @@ struct GemmTraits {
     // Two 64 x BLOCK_N fp32 accumulator slices must fit the consumer's 232 registers.
     static_assert(!kPingpong || (BLOCK_N == 128 && kClusterN == 1),
                   "the ping-pong schedule takes 128 x 128 tiles per warpgroup, without clusters");
+    // fp8: wgmma reads e4m3 operands K-major only; the per-k-block partial sums double the
+    // accumulator registers, so one 64 x 128 slice per warpgroup (cooperative, BLOCK_N = 128).
+    static_assert(kElement == ElementType::BF16 ||
+                      (kType == GroupedGemmType::MGroupedContiguous && kMajorB == Major::K && BLOCK_N == 128 &&
+                       !kPingpong && !kPairedN),
+                  "e4m3 GEMMs: M-grouped NT, cooperative 128 x 128 tiles without paired N");
 };
 
 // Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N
@@ -87,12 +104,13 @@ struct TileColumns {
     }
 };
 
-// The smem ring: kNumStages A stages (128 x 64 bf16), then kNumStages B stages (BLOCK_N x 64),
-// each a stack of 8 KiB 128B-swizzled atoms (mma/sm90_desc.cuh), from the 1024-aligned `base`.
+// The smem ring: kNumStages A stages (128 rows of 128 bytes: 64 bf16 or 128 e4m3 of K), then
+// kNumStages B stages (BLOCK_N rows of 128 bytes), each a stack of 8 KiB 128B-swizzled atoms
+// (mma/sm90_desc.cuh), from the 1024-aligned `base`. The sizes are the same for both element types.
 template <uint32_t BLOCK_N, uint32_t kNumStages>
 struct StageLayout {
-    static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;
-    static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;
+    static constexpr uint32_t kABytes = BLOCK_M * mma::kSwizzleBytes;
+    static constexpr uint32_t kBBytes = BLOCK_N * mma::kSwizzleBytes;
     static constexpr uint32_t kStageBytes = kABytes + kBBytes;
     static constexpr uint32_t kBytes = kNumStages * kStageBytes;
     uint32_t base;

@@ -14,7 +14,8 @@
 //   void load(const Pipe&, const PipelineState&, const GroupedTile&, const Columns&, uint32_t kb);
 //     waits for the stage to be free and fills it; every thread that runs() calls it.
 //
-//   LoaderTma             both operands by 64 x 64 TMA boxes (one thread; A multicast in clusters).
+//   LoaderTma             both operands by TMA boxes of 64 rows x 128 bytes (64 x 64 bf16, 64 x 128
+//                         e4m3; one thread; A multicast in clusters).
 //   LoaderGatherTmaRows   (M-grouped A) the first producer warp loads the 128 rows of each A stage as
 //                         1-row TMA boxes (64 columns, 128 bytes) placed at row r * 128 of the stage:
 //                         the 128B swizzle is a function of the shared memory address, so the rows
@@ -141,7 +142,7 @@ struct LoaderTma {
     __device__ __forceinline__ void load(const Pipe& pipe, const sm90::PipelineState<Traits::kNumStages>& st,
                                          const sched::GroupedTile& tile, const Columns& cols, uint32_t kb) {
         uint32_t full = pipe.full(st.stage);
-        const uint32_t k0 = kb * BLOCK_K;
+        const uint32_t k0 = kb * Traits::kBlockK;
         full = pipe.producer_acquire(st, Stages::kStageBytes);
         TmaOperands<Traits>::load_a(args, stages, st.stage, tile, k0, full);
         TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
@@ -174,6 +175,7 @@ template <class Traits>
 struct LoaderGatherTmaRows {
     static_assert(Traits::kType == GroupedGemmType::MGroupedContiguous && Traits::kClusterN == 1,
                   "the 1-row TMA loader gathers the K-major A of M-grouped GEMMs without clusters");
+    static_assert(Traits::kElement == ElementType::BF16, "the gathering loaders read bf16 token rows");
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     using Gather = GatherLayout<true, false, 2>;
@@ -219,6 +221,7 @@ template <class Traits, bool kGatherB>
 struct LoaderGatherCpAsync {
     static_assert(Traits::kClusterN == 1, "the gathering loaders are for GEMMs without clusters");
     static_assert(!kGatherB || Traits::kKGrouped, "a gathered B is the MN-major operand of a K-grouped GEMM");
+    static_assert(Traits::kElement == ElementType::BF16, "the gathering loaders read bf16 token rows");
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     using Gather = GatherLayout<false, Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;

@@ -1,8 +1,9 @@
 #pragma once
-// wgmma shared-memory matrix descriptors for bf16 tiles written by TMA with 128-byte swizzle.
+// wgmma shared-memory matrix descriptors for operand tiles written by TMA with 128-byte swizzle.
 //
-// Every operand tile is stored as 8 KiB atoms of 64 x 64 bf16 (64 rows of 128 bytes, swizzled in
-// 1024-byte groups of 8 rows), exactly what one 64 x 64 TMA box with SWIZZLE_128B produces:
+// Every operand tile is stored as 8 KiB atoms of 64 rows of 128 bytes (64 x 64 bf16, or 64 x 128
+// e4m3 for the K-major fp8 operands), swizzled in 1024-byte groups of 8 rows, exactly what one
+// 64-row TMA box of 128-byte rows with SWIZZLE_128B produces (bf16 below):
 //   K-major  (K contiguous): atom j holds MN rows [64j, 64j+64), all 64 K of the stage; the atoms
 //            stack along MN, so the tile is simply MN rows of 128 bytes.
 //   MN-major (MN contiguous): atom j holds MN columns [64j, 64j+64); its 64 rows are the K of the
@@ -26,6 +27,12 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t 
          | (static_cast<uint64_t>(lbo >> 4) << 16)
          | (static_cast<uint64_t>(sbo >> 4) << 32)
          | (1ull << 62);
+}
+
+// Descriptor of a K-major operand (rows of 128 bytes, any element type) that starts at MN offset `mn0`
+// (a multiple of 8) of a tile at `tile_addr`, `k_bytes` into each row (a multiple of 32).
+__device__ __forceinline__ uint64_t k_major_desc(uint32_t tile_addr, uint32_t mn0, uint32_t k_bytes) {
+    return make_smem_desc(tile_addr + mn0 * kSwizzleBytes + k_bytes, 16, 1024);
 }
 
 // Descriptor of the wgmma operand that starts at MN offset `mn0` (a multiple of 8 for K-major,

@@ -5,16 +5,23 @@
 //
 // Mainloop contract (Traits: layout/sm90_gemm.cuh's GemmTraits):
 //   static constexpr uint32_t kNumAccum;     accumulators per thread of one 64-row slice
+//   static constexpr uint32_t kNumArgs;      kernel arguments the mainloop reads: the first kNumArgs
+//                                            after the core's (the epilogue gets the rest)
+//   struct Params;                           what it keeps of them, built once per consumer thread:
+//       Params(uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const Args&... args)
+//       from the problem size and the kernel's trailing arguments (mainloop's, then epilogue's)
 //   template <uint32_t kSlices, class Pipe> static uint32_t mma(float (&acc)[kSlices][kNumAccum],
-//       const Pipe&, PipelineState&, uint32_t num_k_blocks, const StageLayout&, uint32_t first_slice,
-//       uint32_t lane);
-//     issues the tile's k-blocks for the 64-row slices first_slice .. first_slice + kSlices - 1 of
-//     the A stages (waiting on each stage's full barrier, freeing each stage once its wgmmas are
-//     done except the last), returns the last stage;
+//       const Pipe&, PipelineState&, const GroupedTile&, const Params&, const StageLayout&,
+//       uint32_t first_slice, uint32_t lane);
+//     adds the tile's num_k_blocks k-blocks for the 64-row slices first_slice .. first_slice +
+//     kSlices - 1 of the A stages into acc (zeroed by the caller), waiting on each stage's full
+//     barrier and freeing each stage once its wgmmas are done (the last one may stay held for
+//     finish), returns the last stage;
 //   template <uint32_t kSlices, class Pipe> static void finish(float (&acc)[kSlices][kNumAccum],
 //       const Pipe&, uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane);
-//     waits for the last wgmmas and frees their stage.
-// An fp8 mainloop (QGMMA, per-128-K promotion, scale loads) is another policy with this contract.
+//     waits for wgmmas still in flight and frees the stage mma left held, if any.
+// MainloopBF16 is below; MainloopFP8 (blockwise-scaled e4m3, per-128-K promotion) is in
+// mma/sm90_mainloop_fp8.cuh.
 
 #include <cstdint>
 
@@ -35,12 +42,20 @@ struct MainloopBF16 {
     using MMA = mma::WgmmaBF16<Traits::BLOCK_N, Traits::kMajorA, Traits::kMajorB>;
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     static constexpr uint32_t kNumAccum = MMA::kNumAccum;
+    static constexpr uint32_t kNumArgs = 0;
+    static_assert(Traits::kElement == ElementType::BF16, "MainloopBF16: bf16 operands");
+
+    struct Params {
+        template <class... Args>
+        __device__ Params(uint32_t, uint32_t, uint32_t, const Args&...) {}
+    };
 
     template <uint32_t kSlices, class Pipe>
     __device__ __forceinline__ static uint32_t mma(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                    sm90::PipelineState<Traits::kNumStages>& st,
-                                                   uint32_t num_k_blocks, const Stages& stages, uint32_t first_slice,
-                                                   uint32_t lane) {
+                                                   const sched::GroupedTile& tile, const Params&,
+                                                   const Stages& stages, uint32_t first_slice, uint32_t lane) {
+        const uint32_t num_k_blocks = tile.num_k_blocks;
         uint32_t prev_stage = 0;
         for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
             pipe.consumer_wait(st);

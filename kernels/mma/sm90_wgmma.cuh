@@ -1,5 +1,6 @@
 #pragma once
-// bf16 wgmma shapes: one warpgroup computes a 64 x N fp32 tile per 16-wide K slice.
+// wgmma shapes: one warpgroup computes a 64 x N fp32 tile per K slice (16 bf16 or 32 e4m3 elements,
+// 32 bytes of each operand row either way).
 
 #include <cstdint>
 
@@ -18,6 +19,22 @@ struct WgmmaBF16 {
 
     // The transpose bits select MN-major operands (valid for 16-bit types only).
     using Instruction = ptx::WgmmaBF16SS<N, kMajorA == Major::MN ? 1u : 0u, kMajorB == Major::MN ? 1u : 0u>;
+
+    __device__ __forceinline__ static void mma(float (&d)[kNumAccum], uint64_t desc_a, uint64_t desc_b,
+                                               uint32_t scale_d) {
+        Instruction::mma(d, desc_a, desc_b, scale_d);
+    }
+};
+
+// e4m3 x e4m3 -> fp32, both operands K-major (fp8 wgmma cannot transpose).
+template <uint32_t N_>
+struct WgmmaE4M3 {
+    static constexpr uint32_t M = 64;
+    static constexpr uint32_t N = N_;
+    static constexpr uint32_t K = 32;
+    static constexpr uint32_t kNumAccum = M * N / 128;
+
+    using Instruction = ptx::WgmmaE4M3SS<N>;
 
     __device__ __forceinline__ static void mma(float (&d)[kNumAccum], uint64_t desc_a, uint64_t desc_b,
                                                uint32_t scale_d) {

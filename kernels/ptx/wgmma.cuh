@@ -4,8 +4,8 @@
 // Inline asm cannot take a parameter pack, so the accumulator operand lists ("%0, %1, ...", and
 // "+f"(d[0]), ...) and the operand numbers after them are generated here by the preprocessor from
 // the decimal digits of the register count R = 10 T + U (T, U single tokens; T empty below 10), for
-// every R that is a multiple of 4 up to 128: an m64nNk16 shape with fp32 accumulators has R = N / 2.
-// A new shape (e.g. the e4m3 wgmma of N = 8..256) is one DGE_DEFINE_* line.
+// every R that is a multiple of 4 up to 128: an m64nNk16 (bf16) or m64nNk32 (e4m3) shape with fp32
+// accumulators has R = N / 2. A new shape is one DGE_DEFINE_* line.
 
 #include <cstdint>
 
@@ -154,5 +154,31 @@ struct WgmmaBF16SS;
 
 DGE_DEFINE_WGMMA_BF16_SS(128, 6, 4)
 DGE_DEFINE_WGMMA_BF16_SS(256, 12, 8)
+
+// D[64 x N] (+)= A[64 x 32] * B[32 x N], fp32 accumulators, e4m3 operands from smem descriptors. fp8
+// wgmma has no transpose immediates: both operands must be K-major. Defined for the N listed below.
+template <uint32_t N>
+struct WgmmaE4M3SS;
+
+// Operands: accumulators, desc_a, desc_b, scale_d (D is overwritten when 0); the two trailing
+// arguments of the generator (ta, tb) are unused.
+#define DGE_WGMMA_E4M3_SS_TEXT(N, L, a, b, s, ta, tb)                                          \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " s ", 0;\n"                                              \
+    "wgmma.mma_async.sync.aligned.m64n" DGE_PP_STR(N) "k32.f32.e4m3.e4m3 {" L "}, " a ", " b \
+    ", p, 1, 1;\n}\n"
+#define DGE_DEFINE_WGMMA_E4M3_SS(N, T, U)                                                                    \
+    template <>                                                                                              \
+    struct WgmmaE4M3SS<N> {                                                                                  \
+        static_assert(10 * (T + 0) + U == N / 2, "DGE_DEFINE_WGMMA_E4M3_SS: T, U must be the digits of N/2"); \
+        __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,      \
+                                                   uint32_t scale_d) {                                       \
+            asm volatile(DGE_PP_TAIL(DGE_WGMMA_E4M3_SS_TEXT, N, T, U)                                        \
+                         : DGE_PP_LIST(DGE_WGMMA_ACC, DGE_PP_COMMA, T, U)                                    \
+                         : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                          \
+        }                                                                                                    \
+    };
+
+DGE_DEFINE_WGMMA_E4M3_SS(128, 6, 4)
+DGE_DEFINE_WGMMA_E4M3_SS(256, 12, 8)
 
 }  // namespace dge::ptx

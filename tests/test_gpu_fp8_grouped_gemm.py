@@ -1,0 +1,465 @@
+"""Blockwise-FP8 M-grouped GEMM (MainloopFP8 on the SM90 grouped GEMM core) against the torch emulation.
+
+CPU: the configurations (registered for `jit build --all`, fp8 only where the mainloop supports it,
+the bf16 sources untouched), argument checks, and the compile for sm_90a: PTX issues the e4m3 wgmma
+m64n128k32, SASS has QGMMA (where cuobjdump is installed), no spills.
+
+GPU (Hopper): ``m_grouped_fp8_gemm_nt_contiguous`` against ``recipes.fp8.emulate_grouped_gemm_nt``
+(fp32 torch on the dequantized operands) and an fp64 reference, outputs NaN-poisoned first (rows no
+expert owns must stay NaN, every owned row must be written). Operands and bounds:
+
+- exact: integer e4m3 data (|a| <= 4, |b| <= 2, so every partial sum of a 128-wide k-block is an
+  integer below 2^10, exact in the tensor cores' reduced-precision fp8 accumulation) and power-of-2
+  scales (2^-2 .. 2^2, or row/column-constant extremes 2^-60 .. 2^60): every sum is exact in fp32,
+  so the output must equal ``emulation.to(bf16)`` bit for bit.
+- fp32-level: the same integer data with random fp32 scales (2^-8 .. 2^8, not powers of 2): kernel
+  and emulation differ only by fp32 rounding, then one bf16 rounding. Bound per element:
+  |out - emu| <= 2^-8 |emu| + 2^-11 M, M = (|A| @ |B|^T) the sum of the absolute products (2^-9 is
+  bf16's half ulp; fp32 sums of K <= 4096 terms in two orders are within 2 K 2^-24 M <= 2^-11 M);
+  relative Frobenius error <= 2^-8 overall and <= 2^-7 per row.
+- realistic: Gaussian data quantized by ``quantize_rows`` / ``quantize_weight_blocks`` (the full
+  e4m3 range): the tensor cores keep about 14 bits of a k-block's sum (DeepSeek-V3 report, 3.5.2),
+  so the bound is looser: relative Frobenius error <= 1e-2 overall and <= 2e-2 per row, against
+  the emulation and against fp64. A model of that accumulation (products aligned to the largest
+  term, including the running sum, floored to 14 bits; the sum truncated to 13 mantissa bits)
+  gives 1.0e-3 overall and 1.5e-3 in the worst row at K = 2048 (1.9e-3 with the bf16 rounding);
+  the e4m3 quantization error itself is about 4%.
+
+Shapes: Qwen3-30B-A3B's (N=1536, K=2048 and N=2048, K=768), ragged N and K (not multiples of 128),
+one partial k-block, routed pools (uniform, Zipf, empty experts, one expert), hand-made expert
+ranges with gaps and empty experts, no rows at all; a zero tile with its floor scale; the scatter
+epilogues (slot order, weighted) against the plain store.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from deep_gemm_ext import jit
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg
+from deep_gemm_ext.jit_kernels import m_grouped_fp8_gemm_nt_contiguous
+from deep_gemm_ext.recipes import fp8 as recipe
+from deep_gemm_ext.routing import compute_routing_torch
+from deep_gemm_ext.testing import make_routing
+
+from conftest import requires_compiler, requires_hopper
+
+E4M3 = torch.float8_e4m3fn
+_CUOBJDUMP = shutil.which("cuobjdump") or (
+    "/usr/local/cuda/bin/cuobjdump" if shutil.which("/usr/local/cuda/bin/cuobjdump") else None)
+
+
+# -- CPU ----------------------------------------------------------------------------------------------------
+
+
+def test_fp8_configs_are_registered():
+    configs = {group: [c.name for c in items] for group, items in jit.registered_configs().items()}
+    assert configs["sm90_fp8_grouped_gemm"] == ["sm90_fp8_grouped_gemm_nt_n128_s6",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted"]
+    for name, code, is_gemm in fg.configs():
+        assert is_gemm and code.count("sm90_grouped_gemm_kernel<") == 1, name
+        assert "mma/sm90_mainloop_fp8.cuh" in code and "dge::gemm::ElementType::E4M3" in code, name
+    store = fg.GemmConfig("nt", 128, dtype="fp8")
+    # Kernel arguments: the core's, the mainloop's scales, then the epilogue's.
+    assert [a.name for a in store.args[len(gg.CORE_ARGS):]] == ["scale_a", "scale_b", "tma_c"]
+    assert "dge::gemm::MainloopFP8, Epilogue, const float*, const float*, CUtensorMap>);" in store.code()
+
+
+def test_bf16_sources_do_not_mention_the_element_type():
+    # The bf16 configurations render the text they had before the fp8 policy (same cache keys).
+    for config in gg._all_configs():
+        code = config.code()
+        assert config.dtype == "bf16" and "ElementType" not in code and "fp8" not in code, config.name
+        assert "dge::gemm::MainloopBF16, Epilogue" in code, config.name
+    assert len(gg.configs()) == 56
+
+
+@pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(block_n=256), dict(schedule="pingpong"),
+                                    dict(gather_a="cp_async"), dict(epilogue="swiglu_fwd")])
+def test_fp8_config_rejects_what_the_mainloop_does_not_take(kwargs):
+    base = dict(layout="nt", block_n=128, dtype="fp8")
+    with pytest.raises(ValueError, match="dtype='fp8' takes"):
+        gg.GemmConfig(**{**base, **kwargs})
+    with pytest.raises(ValueError, match="dtype='fp16'"):
+        gg.GemmConfig("nt", 128, dtype="fp16")
+
+
+def _cpu_operands(p=256, k=256, e=2, n=128):
+    a_q = torch.zeros(p, k, dtype=E4M3)
+    sa = torch.ones(p, -(-k // 128))
+    b_q = torch.zeros(e, n, k, dtype=E4M3)
+    sb = torch.ones(e, -(-n // 128), -(-k // 128))
+    se = torch.tensor([0, 128], dtype=torch.int32)[:e]
+    return a_q, sa, b_q, sb, se, se.clone()
+
+
+def test_argument_checks():
+    a_q, sa, b_q, sb, starts, ends = _cpu_operands()
+    f = m_grouped_fp8_gemm_nt_contiguous
+    with pytest.raises(TypeError, match="a_q: dtype torch.bfloat16, expected torch.float8_e4m3fn"):
+        f(a_q.bfloat16(), sa, b_q, sb, starts, ends)
+    with pytest.raises(TypeError, match="b_q: dtype torch.float8_e5m2, expected torch.float8_e4m3fn"):
+        f(a_q, sa, b_q.to(torch.float8_e5m2), sb, starts, ends)
+    with pytest.raises(TypeError, match="sa: dtype torch.bfloat16, expected torch.float32"):
+        f(a_q, sa.bfloat16(), b_q, sb, starts, ends)
+    with pytest.raises(TypeError, match="starts: dtype torch.int64"):
+        f(a_q, sa, b_q, sb, starts.long(), ends)
+    with pytest.raises(ValueError, match="sa: strides .* expected a contiguous tensor"):
+        f(a_q, sa.t().contiguous().t(), b_q, sb, starts, ends)
+    with pytest.raises(ValueError, match=r"sa: shape \(256, 1\), expected \(256, 2\)"):
+        f(a_q, sa[:, :1].contiguous(), b_q, sb, starts, ends)
+    with pytest.raises(ValueError, match=r"sb: shape \(2, 1, 1\), expected \(2, 1, 2\)"):
+        f(a_q, sa, b_q, sb[:, :, :1].contiguous(), starts, ends)
+    with pytest.raises(ValueError, match="b_q: 3 experts"):
+        f(a_q, sa, torch.zeros(3, 128, 256, dtype=E4M3), torch.ones(3, 1, 2), starts, ends)
+    with pytest.raises(ValueError, match="contracts over 128, expected K=256"):
+        f(a_q, sa, b_q[:, :, :128].contiguous(), sb[:, :, :1].contiguous(), starts, ends)
+    with pytest.raises(ValueError, match="starts \\(2,\\) and ends \\(1,\\)"):
+        f(a_q, sa, b_q, sb, starts, ends[:1])
+    a8, sa8, b8, sb8, _, _ = _cpu_operands(k=200)
+    with pytest.raises(ValueError, match="K=200: expected a multiple of 16"):
+        f(a8, sa8, b8, sb8, starts, ends)
+    a8, sa8, b8, sb8, _, _ = _cpu_operands(n=100)
+    with pytest.raises(ValueError, match="N=100: expected a multiple of 8"):
+        f(a8, sa8, b8, sb8, starts, ends)
+    with pytest.raises(ValueError, match="a_q: on cpu, expected a CUDA tensor"):
+        f(a_q, sa, b_q, sb, starts, ends)
+
+
+def _build(config):
+    return jit.build(config.name, config.code())
+
+
+@requires_compiler
+@pytest.mark.parametrize("epilogue", ["store", "scatter", "scatter_weighted"])
+def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue):
+    config = gg.GemmConfig("nt", 128, dtype="fp8", epilogue=epilogue)
+    kernel = _build(config)
+    usage = kernel.resources()
+    assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
+    # Same stage bytes as bf16's 128-wide tile (a 128 x 128 e4m3 k-block is 128 x 128 bytes).
+    assert config.smem_bytes() == gg.GemmConfig("nt", 128).smem_bytes() == 230496
+    entry = jit.compile_cached(config.name, config.code(), want_ptx=True)
+    ptx = entry.ptx_path.read_text()
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
+    assert shapes and set(shapes) == {("m64n128k32", "e4m3", "e4m3")}, shapes
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: PTX checked, SASS not")
+    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+    assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass, config.name
+
+
+@requires_compiler
+def test_e4m3_wgmma_shapes_assemble(tmp_path):
+    # Both defined e4m3 shapes assemble (ptxas rejects a wrong accumulator count or operand list).
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    (tmp_path / "q.cu").write_text("""#include <ptx/wgmma.cuh>
+template <uint32_t N>
+__global__ void k(float* p, uint64_t a, uint64_t b) {
+    float d[N / 2];
+    for (uint32_t i = 0; i < N / 2; ++i) d[i] = p[i];
+    dge::ptx::WgmmaE4M3SS<N>::mma(d, a, b, 0);
+    for (uint32_t i = 0; i < N / 2; ++i) p[i] = d[i];
+}
+template __global__ void k<128>(float*, uint64_t, uint64_t);
+template __global__ void k<256>(float*, uint64_t, uint64_t);
+""")
+    for kind, out in (("-ptx", tmp_path / "q.ptx"), ("-cubin", tmp_path / "q.cubin")):
+        result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", f"-I{jit.kernels_dir()}", kind, "-o", str(out),
+                                 str(tmp_path / "q.cu")], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-4000:]
+    found = re.findall(r"\.m64n(\d+)k32\.f32\.e4m3\.e4m3 \{([^}]*)\}", (tmp_path / "q.ptx").read_text())
+    assert sorted((int(n), len(regs.split(","))) for n, regs in found) == [(128, 64), (256, 128)]
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def exact_fp32_matmul(monkeypatch):
+    """The emulation's fp32 matmuls in full fp32 (no TF32)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+def _routed(num_tokens: int, num_experts: int, top_k: int, routing: str, g: torch.Generator):
+    """starts/ends of a routed 128-aligned pool, its row count and padding rows (row_to_slot < 0)."""
+    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
+    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
+    return meta.starts, meta.ends, meta.num_pool_rows, meta.row_to_slot < 0, meta
+
+
+def _owned(starts, ends, rows: int) -> torch.Tensor:
+    owned = torch.zeros(rows, dtype=torch.bool)
+    for s, t in zip(starts.tolist(), ends.tolist()):
+        owned[s:t] = True
+    return owned.cuda()
+
+
+def _int_data(shape, bound: int, g: torch.Generator) -> torch.Tensor:
+    """Integers in [-bound, bound] as e4m3 (exact)."""
+    return torch.randint(-bound, bound + 1, shape, generator=g).float().cuda().to(E4M3)
+
+
+def _zero(t: torch.Tensor, index) -> None:
+    """t[index] = 0 for an e4m3 tensor (through its bytes: e4m3's zero is 0x00)."""
+    t.view(torch.uint8)[index] = 0
+
+
+def _pow2(shape, lo: int, hi: int, g: torch.Generator) -> torch.Tensor:
+    return torch.exp2(torch.randint(lo, hi + 1, shape, generator=g).float()).cuda()
+
+
+def _int_operands(rows, k, e, n, pad, g, *, exact: bool):
+    """Integer data (|a| <= 4, |b| <= 2); scales powers of 2 (exact) or random fp32 in [2^-8, 2^8]."""
+    a_q = _int_data((rows, k), 4, g)
+    _zero(a_q, pad)
+    b_q = _int_data((e, n, k), 2, g)
+    sa_shape, sb_shape = (rows, -(-k // 128)), (e, -(-n // 128), -(-k // 128))
+    if exact:
+        sa, sb = _pow2(sa_shape, -2, 2, g), _pow2(sb_shape, -2, 2, g)
+    else:
+        sa = torch.exp2(torch.rand(sa_shape, generator=g) * 16 - 8).cuda()
+        sb = torch.exp2(torch.rand(sb_shape, generator=g) * 16 - 8).cuda()
+    return a_q, sa, b_q, sb
+
+
+def _gaussian_operands(rows, k, e, n, pad, g):
+    """Gaussian data with magnitudes varying by row and by 128 x 128 block, quantized by the recipe."""
+    a = torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())
+    a[pad.cpu()] = 0
+    w = torch.randn(e, n, k, generator=g) / k ** 0.5
+    block = torch.exp2(torch.randint(-3, 4, (e, -(-n // 128), -(-k // 128)), generator=g).float())
+    w *= block.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :n, :k]
+    a_q, sa = recipe.quantize_rows(a.cuda())
+    b_q, sb = recipe.quantize_weight_blocks(w.cuda())
+    return a_q, sa, b_q, sb
+
+
+def _dequant64(a_q, sa, b_q, sb):
+    k, n = a_q.shape[1], b_q.shape[1]
+    a = a_q.double() * sa.double().repeat_interleave(128, 1)[:, :k]
+    b = b_q.double() * sb.double().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :n, :k]
+    return a, b
+
+
+def _references(a_q, sa, b_q, sb, starts, ends):
+    """(emulation fp32, fp64 reference, M = |A| @ |B|^T in fp64), zero on rows no expert owns."""
+    emu = recipe.emulate_grouped_gemm_nt(a_q, sa, b_q, sb, starts, ends)
+    a, b = _dequant64(a_q, sa, b_q, sb)
+    ref = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    mag = torch.zeros_like(ref)
+    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if t > s:
+            ref[s:t] = a[s:t] @ b[e].T
+            mag[s:t] = a[s:t].abs() @ b[e].abs().T
+    return emu, ref, mag
+
+
+def _rel(x: torch.Tensor, y: torch.Tensor, dim=None) -> torch.Tensor:
+    x, y = x.double(), y.double()
+    if dim is None:
+        return (x - y).norm() / y.norm().clamp_min(1e-300)
+    return (x - y).norm(dim=dim) / y.norm(dim=dim).clamp_min(1e-300)
+
+
+def _run(a_q, sa, b_q, sb, starts, ends):
+    out = torch.full((a_q.shape[0], b_q.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    result = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, ends, out)
+    assert result is out
+    torch.cuda.synchronize()
+    return out
+
+
+def _check(out, a_q, sa, b_q, sb, starts, ends, *, mode: str, what: str):
+    """mode: "exact", "fp32" or "realistic" (module docstring)."""
+    emu, ref, mag = _references(a_q, sa, b_q, sb, starts, ends)
+    owned = _owned(starts, ends, out.shape[0])
+    where = f"[{what}]"
+    assert torch.isnan(out[~owned].float()).all(), f"{where} rows no expert owns were written"
+    got = out[owned]
+    assert not torch.isnan(got.float()).any(), f"{where} owned rows left unwritten (NaN)"
+    emu, ref, mag = emu[owned], ref[owned], mag[owned]
+    if got.numel() == 0:
+        return
+    # The emulation itself is fp32 math on the same operands.
+    emu_err = _rel(emu, ref).item()
+    assert emu_err < 1e-5, f"{where} emulation vs fp64: {emu_err:.2e}"
+    if mode == "exact":
+        want = emu.to(torch.bfloat16)
+        bad = (got != want).nonzero()
+        assert bad.numel() == 0, (f"{where} {bad.shape[0]} elements differ from the exact result, first at "
+                                  f"{bad[0].tolist()}: {got[tuple(bad[0])].item()} vs {want[tuple(bad[0])].item()}")
+        return
+    err_all, err_rows = _rel(got, emu).item(), _rel(got, emu, 1)
+    worst_row = err_rows.max().item()
+    if mode == "fp32":
+        diff = (got.double() - emu.double()).abs()
+        bound = 2.0 ** -8 * emu.double().abs() + 2.0 ** -11 * mag
+        over = (diff > bound).nonzero()
+        assert over.numel() == 0, (f"{where} {over.shape[0]} elements past |d| <= 2^-8|emu| + 2^-11 M, first at "
+                                   f"{over[0].tolist()}: got {got[tuple(over[0])].item()}, emu "
+                                   f"{emu[tuple(over[0])].item()}, M {mag[tuple(over[0])].item()}")
+        assert err_all <= 2.0 ** -8 and worst_row <= 2.0 ** -7, \
+            f"{where} relative error vs emulation {err_all:.2e} (all), {worst_row:.2e} (worst row)"
+    else:
+        err64, rows64 = _rel(got, ref).item(), _rel(got, ref, 1).max().item()
+        assert err_all <= 1e-2 and worst_row <= 2e-2 and err64 <= 1e-2 and rows64 <= 2e-2, (
+            f"{where} relative error vs emulation {err_all:.2e} (all), {worst_row:.2e} (worst row); vs fp64 "
+            f"{err64:.2e}, {rows64:.2e}")
+
+
+_QWEN3_30B = [(1536, 2048), (2048, 768)]  # L1 forward (N = 2I, K = H), L2 forward (N = H, K = I)
+_RAGGED = [(1000, 1008), (200, 272), (64, 16), (384, 128)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("mode", ["exact", "fp32", "realistic"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("n,k", _QWEN3_30B + _RAGGED)
+def test_routed_pools(n, k, routing, mode, exact_fp32_matmul):
+    seed = 1000 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 7 + len(mode)
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
+    if mode == "realistic":
+        ops = _gaussian_operands(rows, k, 12, n, pad, g)
+    else:
+        ops = _int_operands(rows, k, 12, n, pad, g, exact=mode == "exact")
+    out = _run(*ops, starts, ends)
+    _check(out, *ops, starts, ends, mode=mode, what=f"seed={seed} n={n} k={k} {routing} {mode}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("mode", ["exact", "realistic"])
+def test_many_experts_at_qwen3_30b_shape(mode, exact_fp32_matmul):
+    # 128 experts, 2048 tokens x top-8: the L1 forward shape of Qwen3-30B-A3B on a full pool.
+    seed = 77 + len(mode)
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
+    ops = (_gaussian_operands(rows, 2048, 128, 1536, pad, g) if mode == "realistic"
+           else _int_operands(rows, 2048, 128, 1536, pad, g, exact=True))
+    out = _run(*ops, starts, ends)
+    _check(out, *ops, starts, ends, mode=mode, what=f"seed={seed} E=128 {mode}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("mode", ["exact", "fp32"])
+def test_expert_ranges_with_gaps_and_empty_experts(mode, exact_fp32_matmul):
+    # Rows [128, 256), [512, 640) and [768, 1024) belong to no expert; experts 1 and 4 are empty.
+    seed = 5 + len(mode)
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0, 256, 256, 640, 768], dtype=torch.int32, device="cuda")
+    ends = torch.tensor([128, 256, 512, 768, 768], dtype=torch.int32, device="cuda")
+    rows, n, k = 1024, 384, 640
+    ops = _int_operands(rows, k, 5, n, torch.zeros(rows, dtype=torch.bool, device="cuda"), g, exact=mode == "exact")
+    out = _run(*ops, starts, ends)
+    _check(out, *ops, starts, ends, mode=mode, what=f"seed={seed} gaps {mode}")
+
+
+@requires_hopper
+def test_scale_extremes_and_zero_tiles(exact_fp32_matmul):
+    # Per row a scale from 2^-60 .. 2^60 (the same for all its k-blocks), per 128-column block of
+    # each expert one from 2^-50 .. 2^50: every output element's terms share one scale, so the sums
+    # stay exact. Zero tiles (an all-zero 1 x 128 tile of a, a 128 x 128 block of b) carry the
+    # recipe's floor scale 2^-126, as quantize_rows / quantize_weight_blocks give them.
+    seed = 11
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(700, 6, 2, "uniform", g)
+    n, k, e = 640, 1024, 6
+    a_q, _, b_q, _ = _int_operands(rows, k, e, n, pad, g, exact=True)
+    kb, nb = k // 128, n // 128
+    row_exp = torch.tensor([-60, -20, 0, 20, 60])[torch.randint(0, 5, (rows,), generator=g)]
+    sa = torch.exp2(row_exp.float()).cuda()[:, None].expand(rows, kb).contiguous()
+    col_exp = torch.tensor([-50, 0, 50])[torch.randint(0, 3, (e, nb), generator=g)]
+    # |row exp + col exp| <= 110: products and sums stay normal fp32 (and bf16) numbers.
+    sb = torch.exp2(col_exp.float()).cuda()[:, :, None].expand(e, nb, kb).contiguous()
+    zero_rows = torch.randint(0, rows, (rows // 4,), generator=g).cuda()
+    zero_kb = torch.randint(0, kb, (rows // 4,), generator=g).cuda()
+    for r, b in zip(zero_rows.tolist(), zero_kb.tolist()):
+        _zero(a_q, (r, slice(b * 128, (b + 1) * 128)))
+        sa[r, b] = recipe.SCALE_FLOOR
+    _zero(b_q, (0, slice(0, 128), slice(0, 128)))
+    sb[0, 0, 0] = recipe.SCALE_FLOOR
+    out = _run(a_q, sa, b_q, sb, starts, ends)
+    _check(out, a_q, sa, b_q, sb, starts, ends, mode="exact", what=f"seed={seed} scale extremes")
+    owned = out[_owned(starts, ends, rows)].float()
+    assert owned.abs().max().item() > 2.0 ** 100 and torch.isfinite(owned).all()
+
+
+@requires_hopper
+def test_recipe_quantized_zero_tiles(exact_fp32_matmul):
+    # Whole zero tiles through the recipe's quantizers (scale 2^-126 there): output rows of a zero
+    # a-row are exactly 0, columns of a zero weight block contribute nothing.
+    seed = 12
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(500, 4, 2, "uniform", g)
+    a = torch.randn(rows, 512, generator=g)
+    a[pad.cpu()] = 0
+    a[:, 128:256] = 0
+    w = torch.randn(4, 256, 512, generator=g) / 512 ** 0.5
+    w[1, 128:, :] = 0
+    a_q, sa = recipe.quantize_rows(a.cuda())
+    b_q, sb = recipe.quantize_weight_blocks(w.cuda())
+    assert (sa[:, 1] == recipe.SCALE_FLOOR).all() and (sb[1, 1] == recipe.SCALE_FLOOR).all()
+    out = _run(a_q, sa, b_q, sb, starts, ends)
+    _check(out, a_q, sa, b_q, sb, starts, ends, mode="realistic", what=f"seed={seed} recipe zero tiles")
+    s1, t1 = starts[1].item(), ends[1].item()
+    assert (out[s1:t1, 128:].float() == 0).all(), "expert 1's zero weight block gave nonzero columns"
+
+
+@requires_hopper
+def test_no_rows_and_no_owned_rows():
+    g = torch.Generator().manual_seed(3)
+    # A pool of 0 rows: nothing to do.
+    a_q, sa, b_q, sb = _int_operands(0, 256, 4, 256, torch.zeros(0, dtype=torch.bool, device="cuda"), g, exact=True)
+    z = torch.zeros(4, dtype=torch.int32, device="cuda")
+    assert m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, z, z).shape == (0, 256)
+    # 512 rows, every expert empty: no row is written.
+    a_q, sa, b_q, sb = _int_operands(512, 256, 4, 256, torch.zeros(512, dtype=torch.bool, device="cuda"), g,
+                                     exact=True)
+    out = _run(a_q, sa, b_q, sb, z, z)
+    assert torch.isnan(out.float()).all()
+
+
+@requires_hopper
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
+def test_scatter_epilogues_match_the_store(routing, exact_fp32_matmul):
+    # Unweighted: slot rows == the plain store's pool rows bit for bit; weighted: bf16(fp32 sum * w),
+    # exact here (integer data, power-of-2 scales and weights). Unused slots are never written.
+    seed = 21 + len(routing)
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, top_k, e, n, k = 500, 4, 8, 384, 768
+    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
+    ops = _int_operands(rows, k, e, n, pad, g, exact=True)
+    store = _run(*ops, starts, ends)
+    num_slots = num_tokens * top_k
+    weights = _pow2((num_tokens, top_k), -3, 3, g)
+    real = meta.row_to_slot >= 0
+    for w in (None, weights):
+        slots = torch.full((num_slots, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, slots,
+                                         scatter=gg.Scatter(meta.row_to_slot, num_slots, w))
+        torch.cuda.synchronize()
+        dest = meta.row_to_slot[real].long()
+        want = store[real] if w is None else (store[real].float() * w.reshape(-1)[dest, None]).to(torch.bfloat16)
+        assert torch.equal(slots[dest], want), f"seed={seed} {routing} weighted={w is not None}"
+        unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+        unused[dest] = False
+        assert torch.isnan(slots[unused].float()).all(), f"seed={seed} {routing}: unused slots were written"
+
+
+@requires_hopper
+def test_deterministic(exact_fp32_matmul):
+    g = torch.Generator().manual_seed(31)
+    starts, ends, rows, pad, _ = _routed(900, 8, 4, "zipf", g)
+    ops = _gaussian_operands(rows, 2048, 8, 1536, pad, g)
+    first = _run(*ops, starts, ends)
+    for _ in range(3):
+        assert torch.equal(_run(*ops, starts, ends).nan_to_num(7.0), first.nan_to_num(7.0))
