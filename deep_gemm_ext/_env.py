@@ -121,10 +121,13 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
-def fp8_wgrad() -> str:
+def fp8_wgrad() -> str | None:
     """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
-    operands (``fp8``, default) or bf16 ones (``bf16``: unquantized operands, twice the bytes)."""
-    value = os.environ.get("DGE_FP8_WGRAD", "fp8").strip().lower()
+    operands (``fp8``) or bf16 ones (``bf16``: unquantized operands, twice the bytes). None when
+    unset: the plan then takes bf16 on our SM90 kernels (no fp8 K-grouped kernel) and fp8 elsewhere."""
+    if not os.environ.get("DGE_FP8_WGRAD", "").strip():
+        return None
+    value = os.environ["DGE_FP8_WGRAD"].strip().lower()
     if value not in ("fp8", "bf16"):
         raise ValueError(f"DGE_FP8_WGRAD={os.environ['DGE_FP8_WGRAD']!r}: expected fp8 or bf16")
     return value

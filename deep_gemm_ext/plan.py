@@ -70,6 +70,7 @@ class Plan:
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
+                      (DGE_FP8_WGRAD; unset: "bf16" on the sm90 provider, "fp8" on the others)
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
     gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
@@ -263,7 +264,9 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
     facts = ShapeFacts(sm90_gemm, swiglu_epilogue, grouped_mm_groups)
     provider = choose_provider(device, dtype, facts, backend, recipe)
     gemms = PROVIDERS[provider]
-    precision = _precision(recipe, _env.fp8_wgrad())
+    # Weight gradients under fp8: our SM90 provider has no fp8 K-grouped GEMM, so bf16 unless asked.
+    wgrad = _env.fp8_wgrad() or ("bf16" if provider == "sm90" else "fp8")
+    precision = _precision(recipe, wgrad)
     compute = {torch.float64: "float64", torch.bfloat16: "bfloat16"}.get(gemms.compute_dtype(dtype), "float32")
     jit = jit_available(device)
     gather_mode = _env.fused_gather()
@@ -283,7 +286,7 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
                           and gemms.supports(precision, SwigluBackward, facts)),
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
-        fp8_wgrad=_env.fp8_wgrad(),
+        fp8_wgrad=wgrad,
         gemm_schedule=_env.gemm_schedule(),
     )
     return plan.encode()

@@ -134,6 +134,8 @@ def implementations(with_loop: bool, all_variants: bool = False, compiled: bool 
     else:
         skips[LIGER] = reason
     impls[("ours", "auto", "bf16")] = Impl(_ours())
+    # Blockwise fp8 (DeepSeek-V3 recipe) on our SM90 kernels; weights quantized once (the cache).
+    impls[("ours", "auto", "fp8")] = Impl(_ours(recipe="fp8"))
     # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
     # Our GEMMs on the ping-pong consumer schedule (DGE_GEMM_SCHEDULE=pingpong), alone and with the
     # SwiGLU epilogues it may make pay.
@@ -349,6 +351,9 @@ def main(argv=None):
     p.add_argument("--all-variants", action="store_true",
                    help="also time the variants measured slower before (1-row TMA gather, gathering backward)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd grouped_mm row")
+    p.add_argument("--rows", nargs="*", default=None, metavar="IMPL:BACKEND:RECIPE",
+                   help="time only the rows whose impl:backend:recipe matches one of these exactly (the eager "
+                        "grouped_mm baseline always runs), e.g. ours:auto:bf16 ours:auto:fp8 liger:triton:bf16")
     p.add_argument("--dry-run", action="store_true",
                    help=f"only the tiny {DRY_RUN.name!r} shape, 2 repeats, on the CPU when there is no GPU: "
                         f"checks the script end to end")
@@ -369,6 +374,13 @@ def main(argv=None):
                 date=datetime.date.today().isoformat())
     skips = {}
     impls = implementations(args.loop, args.all_variants, compiled=not args.no_compile, skips=skips)
+    if args.rows is not None:
+        known = {":".join(key) for key in impls} | {":".join(key) for key in skips}
+        unknown = sorted(set(args.rows) - known)
+        if unknown:
+            sys.exit(f"--rows: {unknown} match no row; expected some of {sorted(known)}")
+        impls = {key: impl for key, impl in impls.items() if key == BASE or ":".join(key) in args.rows}
+        skips = {key: reason for key, reason in skips.items() if ":".join(key) in args.rows}
     for key, reason in skips.items():
         print(f"{label(dict(impl=key[0], backend=key[1], recipe=key[2]))} skipped: {reason}", flush=True)
     records, checked = [], {}

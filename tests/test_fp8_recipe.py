@@ -560,15 +560,26 @@ def test_layer_quantizes_weights_once_per_version(monkeypatch):
     assert len(calls) == 4
 
 
-def test_plan_keeps_fp8_off_kernels_without_an_fp8_path(monkeypatch):
-    """On an SM90 GPU our kernels are bf16 only: "auto" under fp8 runs the torch emulation."""
+def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
+    """On an SM90 GPU "auto" runs both recipes on our kernels; under fp8 their weight gradients are
+    bf16 unless DGE_FP8_WGRAD says otherwise (no fp8 K-grouped kernel), fp8 on the other providers."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(plan, "jit_available", lambda device: True)
     facts = plan.ShapeFacts(sm90_gemm=True, swiglu_epilogue=True, grouped_mm_groups=True)
     cuda = torch.device("cuda", 0)
     assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "bf16") == "sm90"
-    assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "fp8") == "grouped_mm"
+    assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "fp8") == "sm90"
     assert plan.choose_provider(cuda, torch.bfloat16, facts, "deep_gemm", "fp8") == "deep_gemm"
+    resolve = plan._resolve_encoded.__wrapped__ if hasattr(plan._resolve_encoded, "__wrapped__") else \
+        plan._resolve_encoded
+    monkeypatch.delenv("DGE_FP8_WGRAD", raising=False)
+    sm90 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
+    assert (sm90.provider, sm90.fp8_wgrad, sm90.precision.fp8_wgrad) == ("sm90", "bf16", False)
+    assert sm90.combine_epilogue and not sm90.swiglu_epilogues
+    torch_plan = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local"))
+    assert (torch_plan.provider, torch_plan.fp8_wgrad) == ("grouped_mm", "fp8")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
+    assert plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).fp8_wgrad == "fp8"
 
 
 def test_recipe_fp8_needs_multiples_of_128():
@@ -597,11 +608,15 @@ def test_gpu_layer_recipe_fp8_matches_the_emulation(routing, clamp):
     """The GPU layer under recipe="fp8" (DeepGEMM's kernels where installed, else the emulation on
     torch providers): its error against the fp64 reference within 1.02x of the fp32 emulated
     reference layer's (design.md §6), outputs NaN-poisoned first."""
-    backends = ["auto"] + (["deep_gemm"] if _deep_gemm_sm90() else [])
+    backends = ["auto", "torch"] + (["deep_gemm"] if _deep_gemm_sm90() else [])
     x, idx, w, l1, l2, dy = _leaves(_case(300, routing, seed=12), torch.bfloat16, "cuda")
     y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
-    emulated = fp8.fp8_reference_layer(x, idx, w, l1, l2, clamp, dy)
+    emulations = {}
     for backend in backends:
+        wgrad = plan.resolve(x, l1, backend=backend, recipe="fp8").fp8_wgrad
+        if wgrad not in emulations:
+            emulations[wgrad] = fp8.fp8_reference_layer(x, idx, w, l1, l2, clamp, dy, wgrad=wgrad)
+        emulated = emulations[wgrad]
         poison_cached_memory(reserve_bytes=1 << 28)
         y, grads = run_layer(_layer(backend=backend), x, idx, w, l1, l2, clamp, dy)
         for name, out, emu, r in zip(OUTPUTS, (y, *grads), emulated, (y_ref, *g_ref)):

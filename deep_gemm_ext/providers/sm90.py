@@ -1,9 +1,14 @@
-"""Our SM90 grouped GEMMs (deep_gemm_ext.jit_kernels.sm90_bf16_grouped_gemm): every epilogue and the
-gathering prologue."""
+"""Our SM90 grouped GEMMs (deep_gemm_ext.jit_kernels): every epilogue and the gathering prologue in
+bf16; under the fp8 recipe the blockwise-fp8 M-grouped GEMM (store and slot-scatter epilogues) on
+operands quantized 1x128 by the quantization kernels (a gathered operand is quantized straight into
+the pool) and the weight cache's 128x128-block copies, and bf16 weight gradients (the plan's default
+under this provider: there is no fp8 K-grouped kernel; an explicit DGE_FP8_WGRAD=fp8 runs them as the
+torch emulation)."""
 from __future__ import annotations
 
 import functools
 
+from ..recipes import fp8 as _fp8
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
 from .base import GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
 
@@ -27,6 +32,7 @@ class Sm90Provider(GemmProvider):
     """``schedule``: the consumer schedule of every GEMM launch (jit_kernels' SCHEDULES)."""
 
     row_alignment = TOKEN_GROUP_ALIGNMENT
+    recipes = ("bf16", "fp8")
     gathers = True
 
     def __init__(self, schedule: str = "cooperative"):
@@ -37,12 +43,14 @@ class Sm90Provider(GemmProvider):
 
     def supports(self, recipe, epilogue, facts):
         if recipe.fp8:
-            return False
+            return epilogue is ScatterSlots
         if epilogue in (SwigluForward, SwigluBackward):
             return facts.swiglu_epilogue
         return True
 
     def m_grouped(self, a, w, meta: RoutingMeta, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):
+        if recipe.fp8:
+            return self._m_grouped_fp8(a, w, meta, layout, gather, epilogue, zero_unowned)
         k = _kernels
         g, a = _gather(gather, a)
         if isinstance(epilogue, SwigluForward):
@@ -60,7 +68,28 @@ class Sm90Provider(GemmProvider):
         out = a.new_zeros(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2]) if zero_unowned else None
         return gemm(a, w, meta.starts, meta.ends, out, gather=g, schedule=self.schedule)
 
+    def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
+        k = _kernels
+        if epilogue is not None and not isinstance(epilogue, ScatterSlots):
+            raise ValueError(f"epilogue={type(epilogue).__name__}: the fp8 GEMM stores or scatters to slots only")
+        if gather is not None:
+            a_q, sa = k.quantize_rows_fp8(a, gather=(gather.row_to_slot, gather.top_k))
+        else:
+            a_q, sa = k.quantize_rows_fp8(a)
+        # Both orientations are K-major 128x128-block copies: "nn" (a @ W[e]) is NT over W's transpose.
+        b_q, sb = w.nk if layout == "nt" else w.kn
+        if isinstance(epilogue, ScatterSlots):
+            scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
+            return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter)
+        out = a.new_zeros(meta.num_pool_rows, b_q.shape[1]) if zero_unowned else None
+        return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out)
+
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
+        if recipe.fp8 and recipe.fp8_wgrad:
+            # Column-quantized operands: the torch emulation (no fp8 K-grouped kernel).
+            a = _kernels.gather_rows(a, gather_a.row_to_slot, gather_a.top_k) if gather_a is not None else a
+            b = _kernels.gather_rows(b, gather_b.row_to_slot, gather_b.top_k) if gather_b is not None else b
+            return _fp8.emulated_k_grouped(a, b, meta.starts, meta.ends, True)
         ga, a = _gather(gather_a, a)
         gb, b = _gather(gather_b, b)
         return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb,

@@ -1,0 +1,104 @@
+"""The layer under recipe="fp8" on our SM90 kernels (blockwise-fp8 GEMMs, quantization kernels,
+bf16 weight gradients by default) against the fp64 reference: y and all four gradients within
+1.02x (+1e-3) of the error of the fp32 emulation of the same quantization points
+(recipes.fp8.fp8_reference_layer with the plan's weight-gradient mode), NaN-poisoned memory first,
+on the headline layers' sizes (fewer tokens) and the routing edge cases, under the documented
+variants (pool instead of the gathering quantizer, pool instead of the combine epilogue, fp8 weight
+gradients). The errors are printed (pytest -s) for the notes.
+"""
+import pytest
+import torch
+
+import deep_gemm_ext as dge
+from deep_gemm_ext import plan
+from deep_gemm_ext.recipes import fp8
+from deep_gemm_ext.testing import ROUTINGS, make_inputs, rel_err
+
+from conftest import poison_cached_memory, requires_hopper
+from gpu_utils import reference_grads, run_layer
+
+pytestmark = requires_hopper
+
+NAMES = ("y", "dx", "dtopk_w", "dl1", "dl2")
+FACTOR, SLACK = 1.02, 1e-3
+
+SHAPES = {  # real hidden / intermediate / experts, fewer tokens to keep the fp64 reference quick
+    "qwen3-30b-a3b": (2048, 2048, 768, 128, 8),
+    "qwen3-235b-a22b": (1024, 4096, 1536, 128, 8),
+    "deepseek-v3-e32": (512, 7168, 2048, 32, 8),  # 32 of the 256 experts
+}
+
+
+def _fp8_layer(x, idx, w, l1, l2, clamp):
+    return dge.mega_moe_train(x, idx, w, l1, l2, activation_clamp=clamp, recipe="fp8")
+
+
+def check_fp8_layer(T, H, I, E, K, routing, clamp, seed, label):
+    x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, routing=routing, device="cuda", seed=seed)
+    dy = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(torch.bfloat16)
+    p = plan.resolve(x, l1, recipe="fp8")
+    assert p.provider == "sm90", f"recipe='fp8' on an SM90 GPU should run our kernels, plan: {p.describe()}"
+    y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)
+    emulated = fp8.fp8_reference_layer(x, idx, w, l1, l2, clamp, dy, wgrad=p.fp8_wgrad)
+    poison_cached_memory()
+    y, grads = run_layer(_fp8_layer, x, idx, w, l1, l2, clamp, dy)
+    torch.cuda.synchronize()
+    for name, out, emu, ref in zip(NAMES, (y, *grads), emulated, (y_ref, *g_ref)):
+        assert out.shape == ref.shape, (name, tuple(out.shape), tuple(ref.shape))
+        assert torch.isfinite(out).all(), f"{label} {name}: non-finite output (unwritten memory?) seed={seed}"
+        if float(ref.norm()) == 0:
+            assert float(out.abs().max()) == 0, f"{label} {name}: expected zeros"
+            continue
+        err, emu_err = rel_err(out, ref), rel_err(emu, ref)
+        print(f"[fp8 {label} {routing} clamp={clamp} T={T}] {name}: ours {err:.3e}, emulation {emu_err:.3e}, "
+              f"ratio {err / emu_err:.3f}")
+        assert err <= FACTOR * emu_err + SLACK, (f"{label} {routing} {name}: {err:.3e} vs emulation {emu_err:.3e} "
+                                                 f"(seed={seed})")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp8_layer_headline_shapes(shape):
+    T, H, I, E, K = SHAPES[shape]
+    check_fp8_layer(T, H, I, E, K, "uniform", None, seed=5, label=shape)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("clamp", [None, 7.0])
+def test_fp8_layer_routings(routing, clamp):
+    check_fp8_layer(777, 1024, 384, 16, 4, routing, clamp, seed=11, label="small")
+
+
+@pytest.mark.parametrize("env", [{"DGE_FUSED_GATHER": "0"}, {"DGE_FUSED_COMBINE": "0"}, {"DGE_FP8_WGRAD": "fp8"},
+                                 {"DGE_FP8_WGRAD": "bf16", "DGE_FUSED_GATHER": "tma"}])
+def test_fp8_layer_variants(monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    check_fp8_layer(600, 1024, 384, 16, 4, "zipf", 7.0, seed=13, label=",".join(f"{k}={v}" for k, v in env.items()))
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_fp8_layer_tiny_token_counts(num_tokens):
+    x, idx, w, l1, l2 = make_inputs(num_tokens, 256, 128, 8, 2, device="cuda", seed=3)
+    dy = torch.randn(num_tokens, 256, device="cuda").to(torch.bfloat16)
+    y, grads = run_layer(_fp8_layer, x, idx, w, l1, l2, None, dy)
+    assert y.shape == (num_tokens, 256)
+    if num_tokens == 0:
+        assert all(not g.any() for g in grads)
+        return
+    y_ref, g_ref = reference_grads(x, idx, w, l1, l2, None, dy)
+    for name, out, ref in zip(NAMES, (y, *grads), (y_ref, *g_ref)):
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 0.1, name
+
+
+def test_fp8_layer_is_deterministic_and_compiles():
+    x, idx, w, l1, l2 = make_inputs(500, 1024, 384, 16, 4, routing="zipf", device="cuda", seed=21)
+    dy = torch.randn(500, 1024, device="cuda").to(torch.bfloat16)
+    first = run_layer(_fp8_layer, x, idx, w, l1, l2, None, dy)
+    second = run_layer(_fp8_layer, x, idx, w, l1, l2, None, dy)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(lambda *a: dge.mega_moe_train(*a, recipe="fp8"), fullgraph=True)
+    compiled = run_layer(lambda x, idx, w, l1, l2, c: compiled_fn(x, idx, w, l1, l2), x, idx, w, l1, l2, None, dy)
+    torch._dynamo.reset()
+    for name, a, b, c in zip(NAMES, (first[0], *first[1]), (second[0], *second[1]), (compiled[0], *compiled[1])):
+        assert torch.equal(a, b), f"{name}: two runs differ"
+        assert torch.equal(a, c), f"{name}: torch.compile differs from eager"
