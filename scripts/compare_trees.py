@@ -21,6 +21,11 @@ old tree needs only its package. Git is not used: a tree is any directory holdin
     python scripts/compare_trees.py /tmp/old-tree .                    # on the GPU
     python scripts/compare_trees.py /tmp/old-tree . --bench --bench-args="--workloads qwen3-30b-a3b-t4096"
     python scripts/compare_trees.py . . --device cpu                   # tiny cases on the CPU
+    python scripts/compare_trees.py /tmp/old-tree . --time-only --time-rounds 3   # speed only, same run
+
+``--time-only``: no outputs compared; each tree's default layer (``mega_moe_train``, fwd+bwd, bf16) is
+timed on the headline shapes, the trees alternating per round (median of CUDA-event timings per
+round, inputs from the tree's ``make_inputs`` with the same seed), and the table gives b / a.
 
 Comparing a tree with itself checks that the layer is deterministic run to run.
 """
@@ -30,6 +35,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -233,6 +239,48 @@ def prebuild(label: str, tree: Path, cache: Path, work: Path) -> None:
         sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
 
 
+#: The timing child: argv = shape name, T, H, I, E, K, reps; prints "ms <median>".
+_TIME_CHILD = """
+import sys, statistics, torch, deep_gemm_ext as dge
+from deep_gemm_ext.testing import make_inputs
+name, T, H, I, E, K, reps = sys.argv[1], *map(int, sys.argv[2:])
+x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, device="cuda", seed=1234)
+dy = torch.randn_like(x)
+def step():
+    y = dge.mega_moe_train(x, idx, w, l1, l2)
+    torch.autograd.grad(y, (x, w, l1, l2), dy)
+for _ in range(3):
+    step()
+times = []
+for _ in range(reps):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); step(); b.record(); torch.cuda.synchronize()
+    times.append(a.elapsed_time(b))
+print(f"ms {statistics.median(times):.4f}")
+"""
+
+
+def run_timing(trees: dict, caches: dict, rounds: int, reps: int) -> str:
+    """The default layer's fwd+bwd median per tree and headline shape, trees alternating per round."""
+    results = {}
+    for r in range(rounds):
+        for name, shape in HEADLINE["cuda"].items():
+            for label, tree in trees.items():
+                proc = subprocess.run([sys.executable, "-c", _TIME_CHILD, name, *map(str, shape), str(reps)],
+                                      env=_tree_env(tree, caches[label], label), capture_output=True, text=True)
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("ms ")]
+                if proc.returncode or not line:
+                    raise RuntimeError(f"timing {label} {name} exited {proc.returncode}: {proc.stderr[-1500:]}")
+                results.setdefault((name, label), []).append(float(line[-1].split()[1]))
+                print(f"[time] round {r + 1} {name} {label}: {results[(name, label)][-1]:.3f} ms", flush=True)
+    rows = ["| shape | a ms (per round) | b ms (per round) | b / a (medians) |", "|---|---|---|---|"]
+    for name in HEADLINE["cuda"]:
+        a, b = results[(name, "a")], results[(name, "b")]
+        rows.append(f"| {name} | {' '.join(f'{t:.3f}' for t in a)} | {' '.join(f'{t:.3f}' for t in b)} "
+                    f"| {statistics.median(b) / statistics.median(a):.3f} |")
+    return "\n".join(rows)
+
+
 def run_bench(trees: dict, caches: dict, bench_args: list[str], rounds: int) -> list[str]:
     """scripts/bench.py of each tree, alternating a, b per round; the table each one ended with."""
     reports = []
@@ -275,6 +323,9 @@ def parse_args(argv=None):
     p.add_argument("--bench", action="store_true", help="also run each tree's scripts/bench.py, alternately")
     p.add_argument("--bench-args", default="", help="arguments for bench.py (one string)")
     p.add_argument("--bench-rounds", type=int, default=1)
+    p.add_argument("--time-only", action="store_true", help="only time both trees' default layer (see above)")
+    p.add_argument("--time-rounds", type=int, default=3)
+    p.add_argument("--time-reps", type=int, default=20)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--label", default="", help=argparse.SUPPRESS)
@@ -309,6 +360,13 @@ def main(argv=None) -> int:
                   "--groups", *args.groups, "--fuzz-seeds", *map(str, args.fuzz_seeds),
                   "--env-fuzz-seeds", str(args.env_fuzz_seeds)]
     failed = []
+    if args.time_only:
+        for label, tree in trees.items():
+            if args.prebuild:
+                prebuild(label, tree, caches[label], work)
+        table = run_timing(trees, caches, args.time_rounds, args.time_reps)
+        print(f"\na = {args.tree_a}\nb = {args.tree_b}\n\n{table}")
+        return 0
     for label, tree in trees.items():
         if args.prebuild:
             prebuild(label, tree, caches[label], work)
