@@ -27,6 +27,7 @@ import torch
 
 from .. import jit
 from ..jit import KernelArg
+from .swiglu import _check_clamp
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -130,14 +131,6 @@ def _check_gather(gather, device: torch.device):
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < 2 ** 31:
         raise ValueError(f"gather: top_k={top_k!r}, expected a positive int")
     return row_to_slot.contiguous(), top_k
-
-
-def _check_clamp(clamp) -> float:
-    if clamp is None:
-        return math.inf
-    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0:
-        raise ValueError(f"clamp={clamp!r}: expected None or a positive float")
-    return float(clamp)
 
 
 # ---------------------------------------------------------------------------------------------

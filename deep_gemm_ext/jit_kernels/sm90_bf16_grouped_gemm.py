@@ -466,6 +466,15 @@ def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather) -> Non
                          f"16-byte aligned tensor with a multiple of 8 columns for the cp.async gather")
 
 
+def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int, n: int) -> dict:
+    """The kernel arguments of the store epilogue (a TMA map of ``out``) or of the slot-scatter one."""
+    if scatter is None:
+        return dict(tma_c=jit.make_tma_2d(out, 64, 64))
+    weights = scatter.weights.contiguous() if scatter.weights is not None else None
+    return dict(out=out, row_to_slot=scatter.row_to_slot, weights=weights, num_rows=rows,
+                num_slots=scatter.num_slots, out_cols=n)
+
+
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
                scatter: Scatter | None = None, schedule: str = "cooperative") -> torch.Tensor:
     _check_schedule(schedule)
@@ -501,12 +510,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
         num_n_blocks = n // block_n if paired_n else -(-n // block_n)
-        if scatter is None:
-            epi_args = dict(tma_c=jit.make_tma_2d(out, 64, 64))
-        else:
-            weights = scatter.weights.contiguous() if scatter.weights is not None else None
-            epi_args = dict(out=out, row_to_slot=scatter.row_to_slot, weights=weights, num_rows=rows,
-                            num_slots=scatter.num_slots, out_cols=n)
+        epi_args = _store_or_scatter_args(out, scatter, rows, n)
         _launch(config, a, b_map, epi_args, starts, ends, rows, n, k, -(-rows // _BLOCK_M) * num_n_blocks, gather)
     return out
 

@@ -24,7 +24,8 @@ import torch
 
 from .. import jit
 from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, GemmConfig, Scatter, _check_expert_weight,
-                                     _check_inputs, _check_multiple, _check_out, _check_scatter, _check_tensor, _launch)
+                                     _check_inputs, _check_multiple, _check_out, _check_scatter, _check_tensor, _launch,
+                                     _store_or_scatter_args)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -89,12 +90,6 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     config = GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue)
     with jit.device_guard(a_q):
         b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
-        if scatter is None:
-            epi_args = dict(tma_c=jit.make_tma_2d(out, 64, 64))
-        else:
-            weights = scatter.weights.contiguous() if scatter.weights is not None else None
-            epi_args = dict(out=out, row_to_slot=scatter.row_to_slot, weights=weights, num_rows=rows,
-                            num_slots=scatter.num_slots, out_cols=n)
-        _launch(config, a_q, b_map, epi_args, starts, ends, rows, n, k,
+        _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,
                 -(-rows // _BLOCK_M) * -(-n // _FP8_BLOCK_N), mainloop_args=dict(scale_a=sa, scale_b=sb))
     return out

@@ -61,7 +61,7 @@ struct MainloopBF16 {
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();  // the gathered rows were written by cp.async (generic proxy)
-            fence_accumulators(acc);
+            mma::fence_accumulators(acc);
             ptx::wgmma_fence();
 #pragma unroll
             for (uint32_t k = 0; k < BLOCK_K / MMA::K; ++k) {
@@ -74,7 +74,7 @@ struct MainloopBF16 {
                 }
             }
             ptx::wgmma_commit_group();
-            fence_accumulators(acc);
+            mma::fence_accumulators(acc);
             // Keep this k-block's wgmmas in flight; the previous one is done, free its stage.
             ptx::wgmma_wait_group<1>();
             if (kb > 0)
@@ -89,20 +89,9 @@ struct MainloopBF16 {
     __device__ __forceinline__ static void finish(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                   uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane) {
         ptx::wgmma_wait_group<0>();
-        fence_accumulators(acc);
+        mma::fence_accumulators(acc);
         if (num_k_blocks > 0)
             pipe.consumer_release(last_stage, lane);
-    }
-
-private:
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void fence_accumulators(float (&acc)[kSlices][kNumAccum]) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                ptx::fence_operand(acc[s][i]);
-        }
     }
 };
 

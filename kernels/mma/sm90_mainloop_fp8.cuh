@@ -92,7 +92,7 @@ struct MainloopFP8 {
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();
-            fence_accumulators(partial);
+            mma::fence_accumulators(partial);
             ptx::wgmma_fence();
 #pragma unroll
             for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
@@ -105,12 +105,12 @@ struct MainloopFP8 {
                 }
             }
             ptx::wgmma_commit_group();
-            fence_accumulators(partial);
+            mma::fence_accumulators(partial);
             // The next k-block's scales load while this one's wgmmas run.
             float next_sa[kSlices][2], next_sb;
             load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < tile.num_k_blocks ? kb + 1 : kb);
             ptx::wgmma_wait_group<0>();
-            fence_accumulators(partial);
+            mma::fence_accumulators(partial);
             pipe.consumer_release(st.stage, lane);
             last_stage = st.stage;
             st.advance();
@@ -148,16 +148,6 @@ private:
             sa[s][1] = __ldg(sa_ptr[s][1] + kb);
         }
         sb = __ldg(sb_ptr + kb);
-    }
-
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void fence_accumulators(float (&acc)[kSlices][kNumAccum]) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                ptx::fence_operand(acc[s][i]);
-        }
     }
 };
 
