@@ -18,10 +18,14 @@ Sizes that are not multiples of 128 are allowed: the last tile is ragged, it cov
 remaining elements only (scale sizes round up) and its scale comes from them, as if the tensor
 were zero-padded to the next multiple of 128.
 
-Scales: ``scale = max(amax, AMAX_FLOOR) * fl32(1/448)`` in fp32 over the tile's finite values (a
-multiply by the rounded reciprocal, as torch's CUDA division by a scalar computes it, so the CPU
-and the GPU, torch and our quantization kernels, agree bit for bit; it is within one ulp of
-amax / 448), and ``data = x / scale`` rounded to nearest even. Plain amax/448 scales, not powers of two: DeepSeek-V3
+Scales: ``scale = max(amax, AMAX_FLOOR) / 448`` in fp32 over the tile's finite values, and
+``data = x / scale`` rounded to nearest even. On a CUDA tensor torch evaluates the scale's division
+by the constant as a product with fl32(1/448), and our quantization kernels
+(``jit_kernels.quantize_rows_fp8``) do the same, bit for bit; on the CPU it is a true division. The
+two differ in the last bit of about half the scales. Under the division, quantizing a dequantized
+tile gives back the same data and scale exactly (what the fp8 dispatch of the all-to-all exchange's
+bit identity with one process rests on, tested on the CPU); under the product it need not. Making
+every device divide (one division per tile in the kernels) is the planned change. Plain amax/448 scales, not powers of two: DeepSeek-V3
 trains with them, DeepGEMM's SM90 fp8 GEMMs take fp32 scales, and every tile keeps the whole e4m3
 range (rounding a scale up to a power of two leaves up to one binade unused). Saturation cannot happen: every finite
 ``|x| <= amax`` lands in ``[-448, 448]``. ``AMAX_FLOOR`` (the scale floor is float32's smallest
@@ -65,8 +69,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 SCALE_FLOOR = torch.finfo(torch.float32).tiny
 #: Smallest amax a scale is derived from (an all-zero tile gets SCALE_FLOOR).
 AMAX_FLOOR = FP8_MAX * SCALE_FLOOR
-#: fl32(1 / 448): a scale is amax times this.
-_INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
 WGRAD_MODES = ("fp8", "bf16")
 #: Weight elements quantized per pass: bounds the fp32 temporaries (a few times 256 MiB) while
 #: keeping the launches per weight few.
@@ -138,8 +140,9 @@ def _quantize_tiles(x: torch.Tensor, tiled_shape, tile_dims):
     tiles = x.reshape(tiled_shape)
     finite = torch.isfinite(tiles)
     amax = torch.where(finite, tiles.abs(), 0).amax(dim=tile_dims, keepdim=True)
-    # Times the rounded reciprocal, which is what a division by a scalar is on CUDA: CPU and GPU agree.
-    scale = amax.clamp(min=AMAX_FLOOR) * _INV_FP8_MAX
+    # On CUDA torch computes this as a product with fl32(1/448) (as do our quantization kernels); on
+    # the CPU it divides. The division makes re-quantizing a dequantized tile exact (module docstring).
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
     # An explicit NaN: torch's cast saturates Inf to +-448, which would hide it.
     data = torch.where(finite, tiles / scale, math.nan).to(FP8_DTYPE)
     return data.reshape(x.shape), scale
