@@ -559,6 +559,19 @@ def test_layer_quantizes_weights_once_per_version(monkeypatch):
     assert len(calls) == 4
 
 
+def test_weight_cache_is_bypassed_under_cuda_graph_capture(monkeypatch):
+    """While a CUDA graph is captured the weights are quantized inside it and nothing is cached, so a
+    replay after an in-place weight update reads the new weights."""
+    w = torch.randn(2, 128, 256)
+    cache = fp8.WeightCache()
+    monkeypatch.setattr(fp8, "_capturing_cuda_graph", lambda weight: True)
+    first, second = cache.get(w), cache.get(w)
+    assert first is not second and len(cache) == 0
+    assert torch.equal(first.nk[1], second.nk[1])
+    monkeypatch.setattr(fp8, "_capturing_cuda_graph", lambda weight: False)
+    assert cache.get(w) is cache.get(w) and len(cache) == 1
+
+
 def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     """On an SM90 GPU "auto" runs both recipes on our kernels; under fp8 their weight gradients are
     bf16 unless DGE_FP8_WGRAD says otherwise (no fp8 K-grouped kernel), fp8 on the other providers."""

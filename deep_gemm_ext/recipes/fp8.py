@@ -253,6 +253,15 @@ class Fp8ExpertWeights:
                    kn=(data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()))
 
 
+def _capturing_cuda_graph(weight: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream. Its replays must read the weights as
+    they are at each replay (an optimizer step between replays writes them in place, unseen by a
+    cache that lives in Python), so under capture the quantization is recorded into the graph and
+    nothing is cached: each replay quantizes the weights again (twice per weight and step: once for
+    the forward, once for the backward)."""
+    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def fp8_weight_cache_bytes(num_experts: int, hidden: int, intermediate: int) -> int:
     """Bytes :class:`WeightCache` holds for one layer's ``l1 [E, 2I, H]`` and ``l2 [E, H, I]``.
 
@@ -297,7 +306,9 @@ class WeightCache:
     Entries hold weak references: a parameter that dies takes its entry with it.
     Not seen, so call :meth:`invalidate` or :meth:`clear` after them: writes through ``t.data``
     (``t.data.mul_(2)`` bumps a separate counter), and, under FSDP2, a ``load_state_dict`` after
-    the first forward. Inference tensors have no version counter and are quantized on every call.
+    the first forward. Inference tensors have no version counter and are quantized on every call;
+    so are weights read while a CUDA graph is captured (the quantization becomes part of the graph,
+    so that every replay reads the weights as they are then).
     Quantization is deterministic; the cache is not thread-safe.
     """
 
@@ -315,7 +326,7 @@ class WeightCache:
         """``weight``'s :class:`Fp8ExpertWeights`, quantized now if its cached copy is stale."""
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-        if weight.is_inference():
+        if weight.is_inference() or _capturing_cuda_graph(weight):
             return Fp8ExpertWeights.from_bf16(weight)
         key, signature = id(weight), self._signature(weight)
         entry = self._entries.get(key)
