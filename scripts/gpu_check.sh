@@ -8,6 +8,7 @@
 #   OLD_TREE=/path/to/older/tree  compare: y and gradients bit for bit against that tree (--hash-only)
 #   BENCH_ARGS="--workloads ..."  extra arguments of scripts/bench.py
 #   TEST_WORKERS=6                pytest-xdist workers of the tests step
+#   a wheel .whl/liger_kernel-*.whl (pure Python) is unpacked onto PYTHONPATH for the Liger rows
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/dge_gpu_check}}
@@ -22,6 +23,11 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
+for wheel in .whl/liger_kernel-*.whl; do
+  [ -f "$wheel" ] || continue
+  python3 -m zipfile -e "$wheel" /tmp/dge_liger && export PYTHONPATH=/tmp/dge_liger${PYTHONPATH:+:$PYTHONPATH}
+  note "liger: $(python3 -c 'import liger_kernel.ops as o; print("importable from", o.__file__)' 2>&1 | tail -1)"
+done
 if has build; then
   timeout 600 python3 -m deep_gemm_ext.jit build --arch sm_90a --all -j "$(nproc)" > "$out/jit_build.log" 2>&1 \
     || { tail -20 "$out/jit_build.log"; exit 1; }
