@@ -14,7 +14,9 @@ argument; DGE_GEMM_SCHEDULE for the layer) and of one dense cuBLAS GEMM (torch.m
 
 --fp8: per M-grouped GEMM of each workload (L1/L2 forward, and the dgrads on the transposed weight
 copies), TFLOP/s of our blockwise-fp8 GEMM (m_grouped_fp8_gemm_nt_contiguous, operands quantized by
-recipes.fp8 beforehand, not timed) next to our bf16 GEMM on the same random operands.
+recipes.fp8 beforehand, not timed) under both mainloop schedules ("serial", the default, and
+"overlap") next to our bf16 GEMM on the same random operands; the "bits" column says whether the
+two fp8 schedules' outputs are equal bit for bit.
 """
 from __future__ import annotations
 
@@ -140,8 +142,9 @@ def _schedule_table(args) -> int:
 
 
 def _fp8_cases(w):
-    """(name, dense (M, N, K), bf16 GEMM, fp8 GEMM) per M-grouped GEMM of the layer, on the same random
-    operands (fp8: quantized once here, 1x128 activations and 128x128 weight blocks)."""
+    """(name, dense (M, N, K), bf16 GEMM, fp8 GEMM with the serial mainloop, with the overlap mainloop)
+    per M-grouped GEMM of the layer, on the same random operands (fp8: quantized once here, 1x128
+    activations and 128x128 weight blocks)."""
     torch.manual_seed(0)
     idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
     meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
@@ -157,18 +160,21 @@ def _fp8_cases(w):
     w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
     q = {name: fp8_recipe.quantize_rows(t) for name, t in (("x", x), ("act", act), ("dy", dy), ("dh", dh))}
 
-    def fp8(a, weights):
-        return lambda: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *weights, starts, ends)
+    def fp8(a, weights, mainloop):
+        return lambda: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *weights, starts, ends, mainloop=mainloop)
+
+    def both(a, weights):
+        return fp8(a, weights, "serial"), fp8(a, weights, "overlap")
 
     return [
         ("L1 fwd  nt", (used, 2 * I, H), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(x, l1, starts, ends),
-         fp8("x", w1.nk)),
+         *both("x", w1.nk)),
         ("L2 fwd  nt", (used, H, I), lambda: gg.m_grouped_bf16_gemm_nt_contiguous(act, l2, starts, ends),
-         fp8("act", w2.nk)),
+         *both("act", w2.nk)),
         ("L2 dgrad", (used, I, H), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, starts, ends),
-         fp8("dy", w2.kn)),
+         *both("dy", w2.kn)),
         ("L1 dgrad", (used, H, 2 * I), lambda: gg.m_grouped_bf16_gemm_nn_contiguous(dh, l1, starts, ends),
-         fp8("dh", w1.kn)),
+         *both("dh", w1.kn)),
     ]
 
 
@@ -176,25 +182,32 @@ def _fp8_table(args) -> int:
     results = []
     for workload in args.workload or ("qwen3-30b-a3b-t16384",):
         w = WORKLOADS[workload]
-        for name, (m, n, k), bf16, fp8 in _fp8_cases(w):
+        for name, (m, n, k), bf16, fp8, overlap in _fp8_cases(w):
             flops = 2.0 * m * n * k
-            bf16_ms, fp8_ms = median_ms(bf16, args.reps), median_ms(fp8, args.reps)
+            # The two schedules must agree bit for bit (NaN-free here: every pool row is owned).
+            same = torch.equal(fp8().view(torch.int16), overlap().view(torch.int16))
+            bf16_ms, fp8_ms, overlap_ms = (median_ms(f, args.reps) for f in (bf16, fp8, overlap))
             results.append({"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bf16_us": bf16_ms * 1e3,
                              "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
-                             "fp8_tflops": flops / fp8_ms / 1e9})
+                             "fp8_tflops": flops / fp8_ms / 1e9, "fp8_overlap_us": overlap_ms * 1e3,
+                             "fp8_overlap_tflops": flops / overlap_ms / 1e9, "fp8_overlap_bit_identical": same})
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     print(f"TFLOP/s on {torch.cuda.get_device_name()}: our bf16 GEMM (nt forward, nn dgrad) and our blockwise-fp8 "
-          "GEMM (nt on the transposed weight copy for the dgrads)")
+          "GEMM (nt on the transposed weight copy for the dgrads), mainloop 'serial' (fp8) and 'overlap' (ovl)")
     print(f"{'workload':<22} | {'gemm':<10} | {'M x N x K':>20} | {'bf16 us':>8} | {'bf16':>6} | {'fp8 us':>8} | "
-          f"{'fp8':>6} | fp8/bf16")
+          f"{'fp8':>6} | {'ovl us':>8} | {'ovl':>6} | fp8/bf16 | ovl/bf16 | ovl/fp8 | bits")
     for r in results:
         shape = f"{r['m']}x{r['n']}x{r['k']}"
         print(f"{r['workload']:<22} | {r['gemm']:<10} | {shape:>20} | {r['bf16_us']:8.1f} | {r['bf16_tflops']:6.1f} | "
-              f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_tflops'] / r['bf16_tflops']:7.2f}x")
-    return 0
+              f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_overlap_us']:8.1f} | "
+              f"{r['fp8_overlap_tflops']:6.1f} | {r['fp8_tflops'] / r['bf16_tflops']:7.2f}x | "
+              f"{r['fp8_overlap_tflops'] / r['bf16_tflops']:7.2f}x | "
+              f"{r['fp8_overlap_tflops'] / r['fp8_tflops']:6.2f}x | "
+              f"{'same' if r['fp8_overlap_bit_identical'] else 'DIFFER'}")
+    return 0 if all(r["fp8_overlap_bit_identical"] for r in results) else 1
 
 
 def main() -> int:

@@ -61,14 +61,40 @@ def test_fp8_configs_are_registered():
     configs = {group: [c.name for c in items] for group, items in jit.registered_configs().items()}
     assert configs["sm90_fp8_grouped_gemm"] == ["sm90_fp8_grouped_gemm_nt_n128_s6",
                                                 "sm90_fp8_grouped_gemm_nt_n128_s6_scatter",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted"]
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_overlap",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_overlap",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_overlap"]
     for name, code, is_gemm in fg.configs():
         assert is_gemm and code.count("sm90_grouped_gemm_kernel<") == 1, name
         assert "mma/sm90_mainloop_fp8.cuh" in code and "dge::gemm::ElementType::E4M3" in code, name
+        policy = "MainloopFP8Overlap" if name.endswith("_overlap") else "MainloopFP8"
+        assert f"dge::gemm::{policy}, Epilogue" in code, name
     store = fg.GemmConfig("nt", 128, dtype="fp8")
     # Kernel arguments: the core's, the mainloop's scales, then the epilogue's.
     assert [a.name for a in store.args[len(gg.CORE_ARGS):]] == ["scale_a", "scale_b", "tma_c"]
     assert "dge::gemm::MainloopFP8, Epilogue, const float*, const float*, CUtensorMap>);" in store.code()
+    overlap = fg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap")
+    assert overlap.args == store.args
+    assert overlap.code() == store.code().replace("dge::gemm::MainloopFP8,", "dge::gemm::MainloopFP8Overlap,")
+
+
+def test_serial_fp8_sources_are_unchanged():
+    # The serial schedule is the default and renders the text it had before the overlap knob (same
+    # names, same cache keys, byte-identical cubins).
+    for epilogue in ("store", "scatter", "scatter_weighted"):
+        default = fg.GemmConfig("nt", 128, dtype="fp8", epilogue=epilogue)
+        serial = fg.GemmConfig("nt", 128, dtype="fp8", epilogue=epilogue, fp8_mainloop="serial")
+        assert default == serial and default.code() == serial.code()
+        assert "Overlap" not in default.code() and not default.name.endswith("_overlap")
+
+
+def test_fp8_mainloop_knob_is_checked():
+    with pytest.raises(ValueError, match=r"fp8_mainloop='fast', expected one of \('serial', 'overlap'\)"):
+        gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="fast")
+    with pytest.raises(ValueError, match="fp8_mainloop='overlap' with dtype='bf16', expected dtype='fp8'"):
+        gg.GemmConfig("nt", 128, fp8_mainloop="overlap")
+    assert fg.MAINLOOP_SCHEDULES == ("serial", "overlap")
 
 
 def test_bf16_sources_do_not_mention_the_element_type():
@@ -130,6 +156,11 @@ def test_argument_checks():
         f(a8, sa8, b8, sb8, starts, ends)
     with pytest.raises(ValueError, match="a_q: on cpu, expected a CUDA tensor"):
         f(a_q, sa, b_q, sb, starts, ends)
+    with pytest.raises(ValueError, match="a_q: on cpu, expected a CUDA tensor"):
+        f(a_q, sa, b_q, sb, starts, ends, mainloop="overlap")
+    for bad in ("fast", "Overlap", None, 1):
+        with pytest.raises(ValueError, match=rf"mainloop={bad!r}: expected one of \('serial', 'overlap'\)"):
+            f(a_q, sa, b_q, sb, starts, ends, mainloop=bad)
 
 
 def _build(config):
@@ -137,9 +168,10 @@ def _build(config):
 
 
 @requires_compiler
+@pytest.mark.parametrize("mainloop", ["serial", "overlap"])
 @pytest.mark.parametrize("epilogue", ["store", "scatter", "scatter_weighted"])
-def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue):
-    config = gg.GemmConfig("nt", 128, dtype="fp8", epilogue=epilogue)
+def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, mainloop):
+    config = gg.GemmConfig("nt", 128, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop)
     kernel = _build(config)
     usage = kernel.resources()
     assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
@@ -149,11 +181,28 @@ def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue):
     ptx = entry.ptx_path.read_text()
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
     assert shapes and set(shapes) == {("m64n128k32", "e4m3", "e4m3")}, shapes
+    # serial: every k-block waits for all its wgmmas; overlap: the wait before a promotion leaves
+    # the next k-block's group in flight (wait_group 1), the tile's last k-block drains (0).
+    waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))
+    assert waits == ({"0"} if mainloop == "serial" else {"0", "1"}), f"{config.name}: wait_group {waits}"
+    # ptxas serializes wgmmas (C7510-C7520 "Potential Performance Loss: wgmma.mma_async instructions
+    # are serialized") when it cannot prove the accumulators untouched while they run: the overlap
+    # would be lost without any error.
+    log = (entry.path / "ptxas.log").read_text()
+    assert "wgmma.mma_async instructions are serialized" not in log and "warpgroup.wait is injected" not in log, \
+        f"{config.name}: {log[-2000:]}"
     if _CUOBJDUMP is None:
         pytest.skip("cuobjdump not installed: PTX checked, SASS not")
     sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
                           text=True).stdout
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass, config.name
+    # wait_group 1 is WARPGROUP.DEPBAR.LE gsb0, 0x1 in SASS.
+    depbars = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
+    assert depbars == ({"0x0"} if mainloop == "serial" else {"0x0", "0x1"}), f"{config.name}: {depbars}"
+    if mainloop == "overlap":
+        # Two accumulator sets: the QGMMAs write two distinct register ranges.
+        dests = set(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3 (R\d+),", sass))
+        assert len(dests) == 2, f"{config.name}: QGMMA destinations {dests}"
 
 
 @requires_compiler
@@ -463,3 +512,131 @@ def test_deterministic(exact_fp32_matmul):
     first = _run(*ops, starts, ends)
     for _ in range(3):
         assert torch.equal(_run(*ops, starts, ends).nan_to_num(7.0), first.nan_to_num(7.0))
+
+
+# -- the overlapping mainloop against the serial one -----------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 as its 16-bit patterns (NaN == NaN bit for bit)."""
+    return t.view(torch.int16)
+
+
+def _assert_same_bits(got, want, where: str) -> None:
+    differ = (_bits(got) != _bits(want)).nonzero()
+    assert differ.numel() == 0, (f"{where}: {differ.shape[0]} elements differ between mainloop='overlap' and "
+                                 f"'serial', first at {differ[0].tolist()}: {got[tuple(differ[0])].item()} vs "
+                                 f"{want[tuple(differ[0])].item()}")
+
+
+def _both(ops, starts, ends, out_shape, scatter=None):
+    """The serial and the overlap GEMM into NaN-poisoned outputs."""
+    outs = []
+    for mainloop in ("serial", "overlap"):
+        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, mainloop=mainloop) is out
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
+
+
+# K = 16 .. 2048: 1 to 16 k-blocks, odd and even counts (the overlap schedule's two tails), ragged
+# last k-blocks (272, 1008, 16) and N blocks (200, 1000, 64).
+_OVERLAP_SHAPES = _QWEN3_30B + _RAGGED + [(256, 128), (384, 256), (128, 384), (256, 512), (640, 640)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("data", ["gaussian", "int"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("n,k", _OVERLAP_SHAPES)
+def test_overlap_mainloop_is_bit_identical_to_serial(n, k, routing, data, exact_fp32_matmul):
+    # Same partial sums (same wgmmas, scale-d = 0 first), promoted in the same order with the same
+    # fmaf: every output bit equal, NaN rows (no expert) included; realistic Gaussian operands
+    # exercise the tensor cores' reduced-precision accumulation, random fp32 scales the promotion's
+    # roundings.
+    seed = 3000 + 1000 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 7 \
+        + len(data)
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
+    ops = (_gaussian_operands(rows, k, 12, n, pad, g) if data == "gaussian"
+           else _int_operands(rows, k, 12, n, pad, g, exact=False))
+    serial, overlap = _both(ops, starts, ends, (rows, n))
+    where = f"seed={seed} n={n} k={k} {routing} {data}"
+    _assert_same_bits(overlap, serial, where)
+    # Not both wrong the same way: the overlap output on its own against the emulation.
+    _check(overlap, *ops, starts, ends, mode="realistic" if data == "gaussian" else "fp32", what=where)
+
+
+@requires_hopper
+def test_overlap_mainloop_exact_and_at_qwen3_30b_with_128_experts(exact_fp32_matmul):
+    # 128 experts, 2048 tokens x top-8 at the L1 forward shape (many tiles per CTA), exact data.
+    seed = 97
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
+    for ops, mode in ((_int_operands(rows, 2048, 128, 1536, pad, g, exact=True), "exact"),
+                      (_gaussian_operands(rows, 2048, 128, 1536, pad, g), "realistic")):
+        serial, overlap = _both(ops, starts, ends, (rows, 1536))
+        _assert_same_bits(overlap, serial, f"seed={seed} E=128 {mode}")
+        _check(overlap, *ops, starts, ends, mode=mode, what=f"seed={seed} E=128 {mode} overlap")
+
+
+@requires_hopper
+@pytest.mark.parametrize("k", [128, 256, 640])
+def test_overlap_mainloop_with_gaps_and_empty_experts(k, exact_fp32_matmul):
+    # Rows [128, 256), [512, 640) and [768, 1024) belong to no expert (stay NaN); experts 1 and 4 are empty.
+    seed = 55 + k
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0, 256, 256, 640, 768], dtype=torch.int32, device="cuda")
+    ends = torch.tensor([128, 256, 512, 768, 768], dtype=torch.int32, device="cuda")
+    rows, n = 1024, 384
+    ops = _gaussian_operands(rows, k, 5, n, torch.zeros(rows, dtype=torch.bool, device="cuda"), g)
+    serial, overlap = _both(ops, starts, ends, (rows, n))
+    _assert_same_bits(overlap, serial, f"seed={seed} gaps k={k}")
+    _check(overlap, *ops, starts, ends, mode="realistic", what=f"seed={seed} gaps k={k} overlap")
+
+
+@requires_hopper
+def test_overlap_mainloop_without_rows():
+    g = torch.Generator().manual_seed(4)
+    z = torch.zeros(4, dtype=torch.int32, device="cuda")
+    a_q, sa, b_q, sb = _int_operands(0, 256, 4, 256, torch.zeros(0, dtype=torch.bool, device="cuda"), g, exact=True)
+    assert m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, z, z, mainloop="overlap").shape == (0, 256)
+    a_q, sa, b_q, sb = _int_operands(512, 256, 4, 256, torch.zeros(512, dtype=torch.bool, device="cuda"), g,
+                                     exact=True)
+    serial, overlap = _both((a_q, sa, b_q, sb), z, z, (512, 256))
+    assert torch.isnan(overlap.float()).all() and torch.isnan(serial.float()).all()
+
+
+@requires_hopper
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
+@pytest.mark.parametrize("k", [384, 768])
+def test_overlap_mainloop_scatter_epilogues(routing, k, exact_fp32_matmul):
+    # Both scatter epilogues (unweighted, weighted with random fp32 weights) bit-identical under the
+    # two mainloops; unused slots stay NaN.
+    seed = 71 + len(routing) + k
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, top_k, e, n = 500, 4, 8, 384
+    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
+    ops = _gaussian_operands(rows, k, e, n, pad, g)
+    num_slots = num_tokens * top_k
+    weights = torch.rand(num_tokens, top_k, generator=g).cuda()
+    real = meta.row_to_slot >= 0
+    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    unused[meta.row_to_slot[real].long()] = False
+    for w in (None, weights):
+        scatter = gg.Scatter(meta.row_to_slot, num_slots, w)
+        serial, overlap = _both(ops, starts, ends, (num_slots, n), scatter=scatter)
+        where = f"seed={seed} {routing} k={k} weighted={w is not None}"
+        _assert_same_bits(overlap, serial, where)
+        assert torch.isnan(overlap[unused].float()).all(), f"{where}: unused slots were written"
+        assert not torch.isnan(overlap[~unused].float()).any(), f"{where}: used slots left unwritten"
+
+
+@requires_hopper
+def test_overlap_mainloop_deterministic(exact_fp32_matmul):
+    g = torch.Generator().manual_seed(32)
+    starts, ends, rows, pad, _ = _routed(900, 8, 4, "zipf", g)
+    ops = _gaussian_operands(rows, 2048, 8, 1536, pad, g)
+    first = _both(ops, starts, ends, (rows, 1536))[1]
+    for _ in range(3):
+        _assert_same_bits(_both(ops, starts, ends, (rows, 1536))[1], first, "seed=32 repeat")

@@ -132,6 +132,10 @@ MAINLOOPS = {
 #: the plain TMA loader.
 _FP8_BLOCK_N = 128
 _FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
+#: Schedules of the fp8 mainloop (MainloopFP8's kOverlapPromotion), each with its C++ policy: "serial"
+#: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
+#: sets, issuing k-block kb + 1 before promoting kb. Same bits under both.
+FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::MainloopFP8Overlap"}
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class GemmConfig:
     gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
     schedule: str = "cooperative"  # consumer schedule: "cooperative" or "pingpong" (SCHEDULES)
     dtype: str = "bf16"  # operand type, a key of MAINLOOPS: "bf16" or "fp8" (blockwise-scaled e4m3)
+    fp8_mainloop: str = "serial"  # dtype "fp8" only: the fp8 mainloop's schedule, a key of FP8_MAINLOOPS
 
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
@@ -162,6 +167,11 @@ class GemmConfig:
             if wrong or self.epilogue not in _FP8_EPILOGUES:
                 raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8} and an epilogue of {_FP8_EPILOGUES}, got "
                                  f"{wrong or {'epilogue': self.epilogue}}")
+        if self.fp8_mainloop not in FP8_MAINLOOPS:
+            raise ValueError(f"GemmConfig: fp8_mainloop={self.fp8_mainloop!r}, expected one of {tuple(FP8_MAINLOOPS)}")
+        if self.dtype != "fp8" and self.fp8_mainloop != "serial":
+            raise ValueError(f"GemmConfig: fp8_mainloop={self.fp8_mainloop!r} with dtype={self.dtype!r}, expected "
+                             f"dtype='fp8' (the bf16 mainloop has one schedule)")
 
     @property
     def stages(self) -> int:
@@ -180,6 +190,8 @@ class GemmConfig:
             name += "_gatherb_cpasync"
         if self.schedule != "cooperative":
             name += f"_{self.schedule}"
+        if self.fp8_mainloop != "serial":
+            name += f"_{self.fp8_mainloop}"
         return name
 
     @property
@@ -193,6 +205,7 @@ class GemmConfig:
         epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
         loader = "dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _LOADERS[self.gather_a]
         mainloop = MAINLOOPS[self.dtype]
+        mainloop_cpp = FP8_MAINLOOPS[self.fp8_mainloop] if self.dtype == "fp8" else mainloop.cpp
         if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
             includes = f"#include <{epilogue.header}>\n"
             extra = ", dge::gemm::Schedule::Pingpong" if self.schedule == "pingpong" else ""
@@ -208,7 +221,7 @@ class GemmConfig:
                 f"using Epilogue = {epilogue_cpp};\n"
                 "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_grouped_gemm_kernel<\n"
-                f"    Traits, {loader}, {mainloop.cpp}, Epilogue, "
+                f"    Traits, {loader}, {mainloop_cpp}, Epilogue, "
                 f"{jit.render_types(mainloop.args + epilogue.args)}>);\n")
 
     def kernel(self) -> jit.Kernel:

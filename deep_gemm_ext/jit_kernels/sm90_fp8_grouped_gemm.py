@@ -16,25 +16,34 @@ last k-block or N block reads zeros past the end (TMA's out-of-bounds fill), whi
 emulation's zero padding.
 
 Only the cooperative 128 x 128 tile exists for fp8 (the second, per-k-block accumulator set
-doubles the consumer's registers); ``DGE_GEMM_SCHEDULE`` does not apply.
+doubles the consumer's registers); ``DGE_GEMM_SCHEDULE`` does not apply. The mainloop has two
+schedules of the same arithmetic (``mainloop=``, MAINLOOP_SCHEDULES): "serial" (the default) waits
+for each k-block's wgmmas before promoting them, "overlap" keeps the next k-block's wgmmas in
+flight during the promotion (a third 64-register accumulator set per thread).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import jit
-from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, GemmConfig, Scatter, _check_expert_weight,
-                                     _check_inputs, _check_multiple, _check_out, _check_scatter, _check_tensor, _launch,
-                                     _store_or_scatter_args)
+from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_MAINLOOPS, GemmConfig, Scatter,
+                                     _check_expert_weight, _check_inputs, _check_multiple, _check_out, _check_scatter,
+                                     _check_tensor, _launch, _store_or_scatter_args)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
 SCALE_BLOCK = 128
 
 
+#: The fp8 mainloop's schedules (``mainloop=``): "serial" promotes each k-block after waiting for its
+#: wgmmas; "overlap" issues the next k-block's wgmmas first (two partial accumulator sets), so the
+#: tensor cores keep running through the promotion. Bit-identical results.
+MAINLOOP_SCHEDULES = tuple(FP8_MAINLOOPS)
+
+
 def _configs() -> list[GemmConfig]:
-    return [GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue)
-            for epilogue in ("store", "scatter", "scatter_weighted")]
+    return [GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop)
+            for mainloop in MAINLOOP_SCHEDULES for epilogue in ("store", "scatter", "scatter_weighted")]
 
 
 @jit.register("sm90_fp8_grouped_gemm")
@@ -48,7 +57,7 @@ def _blocks(size: int) -> int:
 
 def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: torch.Tensor, sb: torch.Tensor,
                                      starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None, *,
-                                     scatter: Scatter | None = None) -> torch.Tensor:
+                                     scatter: Scatter | None = None, mainloop: str = "serial") -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = dequant(a_q, sa)[r] @ dequant(b_q, sb)[e].T`` for every pool row r
     of expert e, accumulated in fp32 with the scales applied per 128-wide k-block (module docstring).
 
@@ -57,8 +66,11 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     as for the bf16 GEMMs); all contiguous. K must be a multiple of 16 (16-byte rows for TMA), N of 8.
     Output rows no expert owns are left unwritten. ``scatter``: out is [num_slots, N] in slot order
     and row r goes to out[row_to_slot[r]] (times the slot's weight when given), as in
-    ``m_grouped_bf16_gemm_nt_contiguous``.
+    ``m_grouped_bf16_gemm_nt_contiguous``. ``mainloop``: the mainloop's schedule, "serial" or "overlap"
+    (MAINLOOP_SCHEDULES), the same bits under both.
     """
+    if not isinstance(mainloop, str) or mainloop not in MAINLOOP_SCHEDULES:
+        raise ValueError(f"mainloop={mainloop!r}: expected one of {MAINLOOP_SCHEDULES}")
     # Types and shapes first (checkable anywhere), then devices.
     for label, t, dim, dtype in (("a_q", a_q, 2, FP8_DTYPE), ("sa", sa, 2, torch.float32), ("b_q", b_q, 3, FP8_DTYPE),
                                  ("sb", sb, 3, torch.float32), ("starts", starts, 1, torch.int32),
@@ -87,7 +99,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
-    config = GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue)
+    config = GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop)
     with jit.device_guard(a_q):
         b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
         _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,

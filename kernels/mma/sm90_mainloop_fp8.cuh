@@ -16,6 +16,18 @@
 // thread needs only three values per k-block (sa of its two accumulator rows, and the tile's one
 // sb, a broadcast load), so they are loaded one k-block ahead, while the wgmmas of the current
 // one run.
+//
+// Two schedules of the same arithmetic (kOverlapPromotion):
+//   serial (false): issue k-block kb's wgmmas into the partial sums, wait for them (wait_group 0),
+//     free the stage, promote. The tensor cores idle while the warpgroup promotes.
+//   overlap (true): two partial accumulator sets alternate; k-block kb + 1's wgmmas are issued into
+//     partial[(kb + 1) % 2] before kb's partial is promoted, and the wait before the promotion is
+//     wait_group 1 (kb's group done, kb + 1's still running), so one k-block of wgmmas stays in
+//     flight through every promotion but the last. Each stage is freed after the wait that covers
+//     its wgmmas. acc 64 + 2 x 64 partial fp32 registers per thread at BLOCK_N = 128.
+// Both compute the same per-k-block partial sums (the same wgmmas on the same stages, scale-d = 0
+// on the first) and promote them in k-block order with the same fmaf, so the results are equal bit
+// for bit.
 
 #include <cstdint>
 
@@ -30,7 +42,7 @@ namespace dge::gemm {
 
 // Kernel arguments: scale_a (const float*, [M, ceil(K/128)]), scale_b (const float*,
 // [E, ceil(N/128), ceil(K/128)]).
-template <class Traits, bool kGenericProxyWrites>
+template <class Traits, bool kGenericProxyWrites, bool kOverlapPromotion = false>
 struct MainloopFP8 {
     static_assert(Traits::kElement == ElementType::E4M3, "MainloopFP8: e4m3 operands");
     static constexpr uint32_t kScaleBlock = 128;
@@ -61,6 +73,25 @@ struct MainloopFP8 {
                                                    sm90::PipelineState<Traits::kNumStages>& st,
                                                    const sched::GroupedTile& tile, const Params& params,
                                                    const Stages& stages, uint32_t first_slice, uint32_t lane) {
+        if constexpr (kOverlapPromotion)
+            return mma_overlap(acc, pipe, st, tile, params, stages, first_slice, lane);
+        else
+            return mma_serial(acc, pipe, st, tile, params, stages, first_slice, lane);
+    }
+
+    // mma waited for every wgmma and freed every stage (both schedules).
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static void finish(float (&)[kSlices][kNumAccum], const Pipe&, uint32_t, uint32_t,
+                                                  uint32_t) {}
+
+private:
+    // The serial schedule (file comment).
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static uint32_t mma_serial(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+                                                          sm90::PipelineState<Traits::kNumStages>& st,
+                                                          const sched::GroupedTile& tile, const Params& params,
+                                                          const Stages& stages, uint32_t first_slice,
+                                                          uint32_t lane) {
         // wgmma m64 fragment: thread (warp w, lane l) of the warpgroup holds rows 16 w + l / 4
         // (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the others) of each 64-row slice.
         const uint32_t warp = (threadIdx.x % 128) / 32;
@@ -132,12 +163,154 @@ struct MainloopFP8 {
         return last_stage;
     }
 
-    // mma waited for every wgmma and freed every stage.
+    // The overlapping schedule (kOverlapPromotion; file comment). Same scale pointers, partial sums
+    // and promotion as the serial one above.
     template <uint32_t kSlices, class Pipe>
-    __device__ __forceinline__ static void finish(float (&)[kSlices][kNumAccum], const Pipe&, uint32_t, uint32_t,
-                                                  uint32_t) {}
+    __device__ __forceinline__ static uint32_t mma_overlap(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+                                                           sm90::PipelineState<Traits::kNumStages>& st,
+                                                           const sched::GroupedTile& tile, const Params& params,
+                                                           const Stages& stages, uint32_t first_slice,
+                                                           uint32_t lane) {
+        const uint32_t warp = (threadIdx.x % 128) / 32;
+        const float* sa_ptr[kSlices][2];
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+#pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
+                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
+            }
+        }
+        const float* sb_ptr =
+            params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
 
-private:
+        // partial[j] holds the k-blocks kb with kb % 2 == j.
+        float partial[2][kSlices][kNumAccum];
+#pragma unroll
+        for (uint32_t j = 0; j < 2; ++j) {
+#pragma unroll
+            for (uint32_t s = 0; s < kSlices; ++s) {
+#pragma unroll
+                for (uint32_t i = 0; i < kNumAccum; ++i)
+                    partial[j][s][i] = 0.0f;
+            }
+        }
+        const uint32_t num_k_blocks = tile.num_k_blocks;
+        if (num_k_blocks == 0)
+            return 0;
+        // Every accumulator register gets its own value before the first wgmma: otherwise the
+        // compiler shares one zero among acc and the partial sets and copies it out of a partial
+        // register while wgmmas run, which makes ptxas serialize them.
+        mma::fence_accumulators(acc);
+        mma::fence_accumulators(partial[0]);
+        mma::fence_accumulators(partial[1]);
+        float sa[kSlices][2], sb;
+        load_scales(sa, sb, sa_ptr, sb_ptr, 0);
+        // k-block 0 into partial[0]. Every control-flow join below sees the same wgmmas in flight
+        // (partial[0]'s group, holding k-block kb), and both exits wait for all of them: a join
+        // with different groups in flight on its two sides makes ptxas serialize the wgmmas.
+        uint32_t stage = issue(partial[0], pipe, st, stages, first_slice);
+        uint32_t kb = 0;
+        for (; kb + 2 < num_k_blocks; kb += 2) {
+            overlap_step(acc, partial[0], partial[1], pipe, st, stages, sa, sb, sa_ptr, sb_ptr, stage, kb + 1,
+                         first_slice, lane);
+            overlap_step(acc, partial[1], partial[0], pipe, st, stages, sa, sb, sa_ptr, sb_ptr, stage, kb + 2,
+                         first_slice, lane);
+        }
+        // One or two k-blocks left, the first in flight in partial[0].
+        if (kb + 1 < num_k_blocks) {
+            overlap_step(acc, partial[0], partial[1], pipe, st, stages, sa, sb, sa_ptr, sb_ptr, stage, kb + 1,
+                         first_slice, lane);
+            last_step(acc, partial[1], pipe, sa, sb, stage, lane);
+        } else {
+            last_step(acc, partial[0], pipe, sa, sb, stage, lane);
+        }
+        return stage;
+    }
+
+    // Waits for the next stage's full barrier and issues its wgmmas into `partial` (one commit
+    // group); returns the stage and advances st.
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static uint32_t issue(float (&partial)[kSlices][kNumAccum], const Pipe& pipe,
+                                                     sm90::PipelineState<Traits::kNumStages>& st,
+                                                     const Stages& stages, uint32_t first_slice) {
+        pipe.consumer_wait(st);
+        if constexpr (kGenericProxyWrites)
+            ptx::fence_proxy_async_smem();
+        mma::fence_accumulators(partial);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
+#pragma unroll
+            for (uint32_t s = 0; s < kSlices; ++s) {
+                const uint64_t desc_a = mma::k_major_desc(stages.a(st.stage), (first_slice + s) * 64, k * MMA::K);
+                const uint64_t desc_b = mma::k_major_desc(stages.b(st.stage), 0, k * MMA::K);
+                // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
+                MMA::mma(partial[s], desc_a, desc_b, k > 0 ? 1u : 0u);
+            }
+        }
+        ptx::wgmma_commit_group();
+        mma::fence_accumulators(partial);
+        const uint32_t stage = st.stage;
+        st.advance();
+        return stage;
+    }
+
+    // `cur` holds k-block next_kb - 1 in flight, read from `stage` with scales sa, sb: issues
+    // k-block next_kb into `next`, waits for cur's group only, frees its stage and promotes it.
+    // Leaves `stage`, sa and sb those of next_kb.
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static void overlap_step(float (&acc)[kSlices][kNumAccum],
+                                                        float (&cur)[kSlices][kNumAccum],
+                                                        float (&next)[kSlices][kNumAccum], const Pipe& pipe,
+                                                        sm90::PipelineState<Traits::kNumStages>& st,
+                                                        const Stages& stages, float (&sa)[kSlices][2], float& sb,
+                                                        const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
+                                                        uint32_t& stage, uint32_t next_kb, uint32_t first_slice,
+                                                        uint32_t lane) {
+        const uint32_t next_stage = issue(next, pipe, st, stages, first_slice);
+        // next_kb's scales load while both groups run.
+        float next_sa[kSlices][2], next_sb;
+        load_scales(next_sa, next_sb, sa_ptr, sb_ptr, next_kb);
+        ptx::wgmma_wait_group<1>();
+        mma::fence_accumulators(cur);
+        pipe.consumer_release(stage, lane);
+        promote(acc, cur, sa, sb);
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+            sa[s][0] = next_sa[s][0];
+            sa[s][1] = next_sa[s][1];
+        }
+        sb = next_sb;
+        stage = next_stage;
+    }
+
+    // The tile's last k-block, in flight in `cur`: waits for every group, frees its stage, promotes.
+    template <uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static void last_step(float (&acc)[kSlices][kNumAccum],
+                                                     float (&cur)[kSlices][kNumAccum], const Pipe& pipe,
+                                                     const float (&sa)[kSlices][2], float sb, uint32_t stage,
+                                                     uint32_t lane) {
+        ptx::wgmma_wait_group<0>();
+        mma::fence_accumulators(cur);
+        pipe.consumer_release(stage, lane);
+        promote(acc, cur, sa, sb);
+    }
+
+    // acc += partial * sa[row] * sb: the serial schedule's promotion, term for term.
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
+                                                   const float (&partial)[kSlices][kNumAccum],
+                                                   const float (&sa)[kSlices][2], float sb) {
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+            const float scale_lo = sa[s][0] * sb, scale_hi = sa[s][1] * sb;
+#pragma unroll
+            for (uint32_t i = 0; i < kNumAccum; ++i)
+                acc[s][i] = fmaf(partial[s][i], (i & 2) ? scale_hi : scale_lo, acc[s][i]);
+        }
+    }
+
     template <uint32_t kSlices>
     __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], float& sb,
                                                        const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
@@ -150,5 +323,9 @@ private:
         sb = __ldg(sb_ptr + kb);
     }
 };
+
+// The overlapping schedule as a policy of the core's `template <class, bool> class Mainloop`.
+template <class Traits, bool kGenericProxyWrites>
+using MainloopFP8Overlap = MainloopFP8<Traits, kGenericProxyWrites, true>;
 
 }  // namespace dge::gemm
