@@ -65,7 +65,8 @@ struct MainloopFP8 {
         __device__ Params(uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const float* sa, const float* sb,
                           const Rest&...)
             : scale_a(sa), scale_b(sb), last_row(shape_m > 0 ? shape_m - 1 : 0),
-              k_blocks((shape_k + kScaleBlock - 1) / kScaleBlock), n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock) {}
+              k_blocks((shape_k + kScaleBlock - 1) / kScaleBlock),
+              n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock) {}
     };
 
     template <uint32_t kSlices, class Pipe>
@@ -92,20 +93,8 @@ private:
                                                           const sched::GroupedTile& tile, const Params& params,
                                                           const Stages& stages, uint32_t first_slice,
                                                           uint32_t lane) {
-        // wgmma m64 fragment: thread (warp w, lane l) of the warpgroup holds rows 16 w + l / 4
-        // (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the others) of each 64-row slice.
-        const uint32_t warp = (threadIdx.x % 128) / 32;
         const float* sa_ptr[kSlices][2];
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t h = 0; h < 2; ++h) {
-                const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
-                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
-            }
-        }
-        const float* sb_ptr =
-            params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+        const float* sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
 
         float partial[kSlices][kNumAccum];
 #pragma unroll
@@ -125,17 +114,7 @@ private:
                 ptx::fence_proxy_async_smem();
             mma::fence_accumulators(partial);
             ptx::wgmma_fence();
-#pragma unroll
-            for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
-#pragma unroll
-                for (uint32_t s = 0; s < kSlices; ++s) {
-                    const uint64_t desc_a = mma::k_major_desc(stages.a(st.stage), (first_slice + s) * 64, k * MMA::K);
-                    const uint64_t desc_b = mma::k_major_desc(stages.b(st.stage), 0, k * MMA::K);
-                    // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
-                    MMA::mma(partial[s], desc_a, desc_b, k > 0 ? 1u : 0u);
-                }
-            }
-            ptx::wgmma_commit_group();
+            issue_block(partial, stages, st.stage, first_slice);
             mma::fence_accumulators(partial);
             // The next k-block's scales load while this one's wgmmas run.
             float next_sa[kSlices][2], next_sb;
@@ -145,14 +124,7 @@ private:
             pipe.consumer_release(st.stage, lane);
             last_stage = st.stage;
             st.advance();
-            // Promotion: acc += partial * sa[row] * sb.
-#pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-                const float scale_lo = sa[s][0] * sb, scale_hi = sa[s][1] * sb;
-#pragma unroll
-                for (uint32_t i = 0; i < kNumAccum; ++i)
-                    acc[s][i] = fmaf(partial[s][i], (i & 2) ? scale_hi : scale_lo, acc[s][i]);
-            }
+            promote(acc, partial, sa, sb);
 #pragma unroll
             for (uint32_t s = 0; s < kSlices; ++s) {
                 sa[s][0] = next_sa[s][0];
@@ -171,18 +143,8 @@ private:
                                                            const sched::GroupedTile& tile, const Params& params,
                                                            const Stages& stages, uint32_t first_slice,
                                                            uint32_t lane) {
-        const uint32_t warp = (threadIdx.x % 128) / 32;
         const float* sa_ptr[kSlices][2];
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t h = 0; h < 2; ++h) {
-                const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
-                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
-            }
-        }
-        const float* sb_ptr =
-            params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+        const float* sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
 
         // partial[j] holds the k-blocks kb with kb % 2 == j.
         float partial[2][kSlices][kNumAccum];
@@ -239,17 +201,7 @@ private:
             ptx::fence_proxy_async_smem();
         mma::fence_accumulators(partial);
         ptx::wgmma_fence();
-#pragma unroll
-        for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
-#pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-                const uint64_t desc_a = mma::k_major_desc(stages.a(st.stage), (first_slice + s) * 64, k * MMA::K);
-                const uint64_t desc_b = mma::k_major_desc(stages.b(st.stage), 0, k * MMA::K);
-                // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
-                MMA::mma(partial[s], desc_a, desc_b, k > 0 ? 1u : 0u);
-            }
-        }
-        ptx::wgmma_commit_group();
+        issue_block(partial, stages, st.stage, first_slice);
         mma::fence_accumulators(partial);
         const uint32_t stage = st.stage;
         st.advance();
@@ -297,7 +249,24 @@ private:
         promote(acc, cur, sa, sb);
     }
 
-    // acc += partial * sa[row] * sb: the serial schedule's promotion, term for term.
+    // One k-block's wgmmas on `stage` into `partial`, committed as one group.
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void issue_block(float (&partial)[kSlices][kNumAccum], const Stages& stages,
+                                                       uint32_t stage, uint32_t first_slice) {
+#pragma unroll
+        for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
+#pragma unroll
+            for (uint32_t s = 0; s < kSlices; ++s) {
+                const uint64_t desc_a = mma::k_major_desc(stages.a(stage), (first_slice + s) * 64, k * MMA::K);
+                const uint64_t desc_b = mma::k_major_desc(stages.b(stage), 0, k * MMA::K);
+                // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
+                MMA::mma(partial[s], desc_a, desc_b, k > 0 ? 1u : 0u);
+            }
+        }
+        ptx::wgmma_commit_group();
+    }
+
+    // acc += partial * sa[row] * sb (both schedules).
     template <uint32_t kSlices>
     __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
                                                    const float (&partial)[kSlices][kNumAccum],
@@ -309,6 +278,26 @@ private:
             for (uint32_t i = 0; i < kNumAccum; ++i)
                 acc[s][i] = fmaf(partial[s][i], (i & 2) ? scale_hi : scale_lo, acc[s][i]);
         }
+    }
+
+    // Where each thread's row scales (its two rows of every 64-row slice) and the tile's weight-block
+    // scales start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w, lane l) of
+    // the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the
+    // others) of each slice. Rows past the pool read the last row's scales.
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static const float* scale_pointers(const float* (&sa_ptr)[kSlices][2],
+                                                               const sched::GroupedTile& tile, const Params& params,
+                                                               uint32_t first_slice, uint32_t lane) {
+        const uint32_t warp = (threadIdx.x % 128) / 32;
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+#pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
+                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
+            }
+        }
+        return params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
     }
 
     template <uint32_t kSlices>
