@@ -13,7 +13,7 @@ from .sm90_bf16_grouped_gemm import (Gather, Scatter, k_grouped_bf16_gemm_tn_con
                                      m_grouped_bf16_gemm_nn_contiguous,
                                      m_grouped_bf16_gemm_nn_swiglu_bwd, m_grouped_bf16_gemm_nt_contiguous,
                                      m_grouped_bf16_gemm_nt_swiglu, swiglu_epilogue_supported)
-from .sm90_fp8_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
+from .sm90_fp8_grouped_gemm import k_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from .swiglu import swiglu_backward, swiglu_forward
 
 
@@ -31,7 +31,7 @@ def available(device_index: int) -> bool:
 
 
 __all__ = ["Gather", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
-           "k_grouped_bf16_gemm_tn_contiguous",
+           "k_grouped_bf16_gemm_tn_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nn_swiglu_bwd",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu",
            "m_grouped_fp8_gemm_nt_contiguous", "quantize_cols_fp8", "quantize_rows_fp8", "routing_metadata",

@@ -47,7 +47,9 @@ _GROUP_M = 16
 assert GROUP_ALIGNMENT % _BLOCK_M == 0
 
 _TYPES = {"nt": ("MGroupedContiguous", "K", "K"), "nn": ("MGroupedContiguous", "K", "MN"),
-          "tn": ("KGroupedContiguous", "MN", "MN")}
+          "tn": ("KGroupedContiguous", "MN", "MN"),
+          # fp8 only: the K-grouped GEMM on the transposed pools At [M, P], Bt [N, P] (e4m3 wgmma reads K-major).
+          "k_nt": ("KGroupedContiguous", "K", "K")}
 
 
 class Tile(NamedTuple):
@@ -141,7 +143,7 @@ FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::Main
 @dataclass(frozen=True)
 class GemmConfig:
     """One instantiation of the core: layout, N tile, epilogue and loader (stages follow block_n)."""
-    layout: str         # "nt", "nn" or "tn"
+    layout: str         # "nt", "nn", "tn", or "k_nt" (fp8 K-grouped on transposed pools)
     block_n: int
     paired_n: bool = False
     epilogue: str = "store"
@@ -160,13 +162,26 @@ class GemmConfig:
                              f"{_WIDTHS[self.schedule]}")
         if self.dtype not in MAINLOOPS:
             raise ValueError(f"GemmConfig: dtype={self.dtype!r}, expected one of {tuple(MAINLOOPS)}")
-        if self.dtype == "fp8":
+        if self.layout not in _TYPES:
+            raise ValueError(f"GemmConfig: layout={self.layout!r}, expected one of {tuple(_TYPES)}")
+        if self.dtype == "fp8" and self.layout == "k_nt":
+            # The K-grouped fp8 GEMM: plain store of the [E, M, N] output, serial mainloop (its
+            # per-column scales leave no registers for the overlap's second partial set).
+            fp8 = dict(block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False, schedule="cooperative",
+                       epilogue="store", fp8_mainloop="serial")
+            wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
+            if wrong:
+                raise ValueError(f"GemmConfig: dtype='fp8' with layout='k_nt' takes {fp8}, got {wrong}")
+        elif self.dtype == "fp8":
             fp8 = dict(layout="nt", block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False,
                        schedule="cooperative")
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
             if wrong or self.epilogue not in _FP8_EPILOGUES:
                 raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8} and an epilogue of {_FP8_EPILOGUES}, got "
                                  f"{wrong or {'epilogue': self.epilogue}}")
+        elif self.layout == "k_nt":
+            raise ValueError(f"GemmConfig: layout='k_nt' with dtype={self.dtype!r}, expected dtype='fp8' (bf16 "
+                             f"K-grouped GEMMs read the pools as they are: layout 'tn')")
         if self.fp8_mainloop not in FP8_MAINLOOPS:
             raise ValueError(f"GemmConfig: fp8_mainloop={self.fp8_mainloop!r}, expected one of {tuple(FP8_MAINLOOPS)}")
         if self.dtype != "fp8" and self.fp8_mainloop != "serial":

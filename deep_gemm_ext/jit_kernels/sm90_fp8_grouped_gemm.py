@@ -20,6 +20,19 @@ doubles the consumer's registers); ``DGE_GEMM_SCHEDULE`` does not apply. The mai
 schedules of the same arithmetic (``mainloop=``, MAINLOOP_SCHEDULES): "serial" (the default) waits
 for each k-block's wgmmas before promoting them, "overlap" keeps the next k-block's wgmmas in
 flight during the promotion (a third 64-register accumulator set per thread).
+
+The weight gradient of the recipe, K-grouped over the pool rows:
+
+    k_grouped_fp8_gemm_nt_contiguous(at_q [M, P], sa [M, ceil(P/128)], bt_q [N, P], sb [N, ceil(P/128)],
+                                     starts, ends)  ->  out [E, M, N] bf16
+
+    out[e][m, n] = sum over k-blocks kb of expert e of (sum_{k in kb} at_q[m, k] * bt_q[n, k]) * sa[m, kb] * sb[n, kb]
+
+i.e. ``D[e] = A_e^T @ B_e`` for pools A [P, M], B [P, N] quantized along their rows in 128 x 1 tiles
+(``quantize_cols``), given transposed: ``at_q, sa = quantize_rows(A.T)`` equals ``quantize_cols(A)``
+with data and scales transposed, bit for bit. The kernel reads them K-major (e4m3 wgmma's only
+major), each expert's k-blocks starting at its first pool row; ``recipes.fp8.emulate_grouped_gemm_tn``
+is the fp32 reference. Serial mainloop only (the per-column B scales take 32 registers per thread).
 """
 from __future__ import annotations
 
@@ -46,9 +59,18 @@ def _configs() -> list[GemmConfig]:
             for mainloop in MAINLOOP_SCHEDULES for epilogue in ("store", "scatter", "scatter_weighted")]
 
 
+#: The K-grouped weight-gradient GEMM's one configuration.
+K_GROUPED_CONFIG = GemmConfig("k_nt", _FP8_BLOCK_N, dtype="fp8")
+
+
 @jit.register("sm90_fp8_grouped_gemm")
 def configs():
     return [(c.name, c.code(), True) for c in _configs()]
+
+
+@jit.register("sm90_fp8_k_grouped_gemm")
+def k_grouped_configs():
+    return [(K_GROUPED_CONFIG.name, K_GROUPED_CONFIG.code(), True)]
 
 
 def _blocks(size: int) -> int:
@@ -104,4 +126,53 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
         b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
         _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,
                 -(-rows // _BLOCK_M) * -(-n // _FP8_BLOCK_N), mainloop_args=dict(scale_a=sa, scale_b=sb))
+    return out
+
+
+def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q: torch.Tensor, sb: torch.Tensor,
+                                     starts: torch.Tensor, ends: torch.Tensor,
+                                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [E, M, N] bf16 with ``out[e] = dequant(at_q, sa)[:, s:t] @ dequant(bt_q, sb)[:, s:t].T`` over
+    expert e's pool rows [s, t), accumulated in fp32 with the scales applied per 128-row k-block
+    (module docstring); experts without rows get zeros.
+
+    at_q [M, P] float8_e4m3fn, sa [M, ceil(P/128)] float32, bt_q [N, P] float8_e4m3fn,
+    sb [N, ceil(P/128)] float32 (the transposed pools, ``quantize_rows(A.T)``, ``quantize_rows(B.T)``),
+    starts/ends [E] int32 on the device; all contiguous. Every expert's rows start on a multiple of
+    128 and end on one or at P (the routed pool's alignment; not checked on the host, which would
+    synchronise). M must be a multiple of 128 (output tiles do not cross experts), N of 8, P of 16
+    (16-byte rows of e4m3 for TMA).
+    """
+    for label, t, dim, dtype in (("at_q", at_q, 2, FP8_DTYPE), ("sa", sa, 2, torch.float32),
+                                 ("bt_q", bt_q, 2, FP8_DTYPE), ("sb", sb, 2, torch.float32),
+                                 ("starts", starts, 1, torch.int32), ("ends", ends, 1, torch.int32)):
+        _check_tensor(label, t, dim, dtype)
+    if starts.shape != ends.shape:
+        raise ValueError(f"starts {tuple(starts.shape)} and ends {tuple(ends.shape)}: expected the same shape [E]")
+    num_experts = starts.shape[0]
+    m, rows = at_q.shape
+    n, rows_b = bt_q.shape
+    if rows_b != rows:
+        raise ValueError(f"bt_q: shape {tuple(bt_q.shape)} contracts over {rows_b} pool rows, expected P={rows} of "
+                         f"at_q {tuple(at_q.shape)}")
+    for label, scale, size in (("sa", sa, m), ("sb", sb, n)):
+        if tuple(scale.shape) != (size, _blocks(rows)):
+            raise ValueError(f"{label}: shape {tuple(scale.shape)}, expected ({size}, {_blocks(rows)}) (one scale per "
+                             f"row and {SCALE_BLOCK} pool rows of P={rows}, rounded up)")
+    _check_multiple("M", m, _BLOCK_M, "output tiles of 128 rows must not cross experts")
+    _check_multiple("N", n, 8, "16-byte rows of the bf16 output for TMA")
+    _check_multiple("P", rows, 16, "16-byte rows of e4m3 for TMA")
+    _check_inputs(at_q, bt_q, 2, starts, ends, names=("at_q", "bt_q"), dtype=FP8_DTYPE,
+                  extra=(("sa", sa, 2, torch.float32), ("sb", sb, 2, torch.float32)))
+    out = _check_out(out, (num_experts, m, n), at_q.device)
+    if num_experts == 0 or m == 0 or n == 0:
+        return out
+    if rows == 0:
+        return out.zero_()
+    config = K_GROUPED_CONFIG
+    with jit.device_guard(at_q):
+        b_map = jit.make_tma_2d(bt_q, 64, 128)
+        c_map = jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n)
+        _launch(config, at_q, b_map, dict(tma_c=c_map), starts, ends, m, n, rows,
+                num_experts * (m // _BLOCK_M) * -(-n // _FP8_BLOCK_N), mainloop_args=dict(scale_a=sa, scale_b=sb))
     return out

@@ -67,8 +67,13 @@ struct GemmTraits {
 
     static_assert(kType != GroupedGemmType::MGroupedContiguous || kMajorA == Major::K,
                   "M-grouped GEMM: the pool A must be K-major");
-    static_assert(kType != GroupedGemmType::KGroupedContiguous || (kMajorA == Major::MN && kMajorB == Major::MN),
-                  "K-grouped GEMM: both operands are MN-major (rows of the pool are the contraction)");
+    // bf16 reads the pools A [P, M], B [P, N] as they are (MN-major); e4m3 reads their transposes
+    // At [M, P], Bt [N, P] (K-major, the only major of e4m3 wgmma).
+    static_assert(kType != GroupedGemmType::KGroupedContiguous ||
+                      (kElement == ElementType::BF16 ? kMajorA == Major::MN && kMajorB == Major::MN
+                                                     : kMajorA == Major::K && kMajorB == Major::K),
+                  "K-grouped GEMM: bf16 operands MN-major (rows of the pool are the contraction), e4m3 operands "
+                  "K-major (the transposed pools)");
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
@@ -78,9 +83,9 @@ struct GemmTraits {
     // fp8: wgmma reads e4m3 operands K-major only; the per-k-block partial sums double the
     // accumulator registers, so one 64 x 128 slice per warpgroup (cooperative, BLOCK_N = 128).
     static_assert(kElement == ElementType::BF16 ||
-                      (kType == GroupedGemmType::MGroupedContiguous && kMajorB == Major::K && BLOCK_N == 128 &&
-                       !kPingpong && !kPairedN),
-                  "e4m3 GEMMs: M-grouped NT, cooperative 128 x 128 tiles without paired N");
+                      (kMajorA == Major::K && kMajorB == Major::K && BLOCK_N == 128 && !kPingpong && !kPairedN),
+                  "e4m3 GEMMs: both operands K-major (M-grouped NT, or K-grouped on the transposed pools), "
+                  "cooperative 128 x 128 tiles without paired N");
 };
 
 // Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N

@@ -15,7 +15,8 @@
 //     waits for the stage to be free and fills it; every thread that runs() calls it.
 //
 //   LoaderTma             both operands by TMA boxes of 64 rows x 128 bytes (64 x 64 bf16, 64 x 128
-//                         e4m3; one thread; A multicast in clusters).
+//                         e4m3; one thread; A multicast in clusters). K-grouped e4m3 reads the
+//                         transposed pools At [M, P], Bt [N, P] K-major from the expert's first row.
 //   LoaderGatherTmaRows   (M-grouped A) the first producer warp loads the 128 rows of each A stage as
 //                         1-row TMA boxes (64 columns, 128 bytes) placed at row r * 128 of the stage:
 //                         the 128B swizzle is a function of the shared memory address, so the rows
@@ -78,7 +79,11 @@ struct TmaOperands {
                                                   const sched::GroupedTile& tile, uint32_t k0, uint32_t full) {
         auto load_atom = [&](uint32_t atom, uint16_t mask) {
             int32_t col, row;
-            if constexpr (Traits::kMajorA == Major::K) {
+            if constexpr (Traits::kMajorA == Major::K && Traits::kKGrouped) {
+                // At [M, P]: the expert's M block, K from its first pool row.
+                col = static_cast<int32_t>(tile.k_row + k0);
+                row = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
+            } else if constexpr (Traits::kMajorA == Major::K) {
                 col = static_cast<int32_t>(k0);
                 row = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
             } else {
@@ -106,7 +111,11 @@ struct TmaOperands {
 #pragma unroll
         for (uint32_t j = 0; j < Traits::kNumBChunks; ++j) {
             int32_t col, row;
-            if constexpr (Traits::kMajorB == Major::K) {
+            if constexpr (Traits::kMajorB == Major::K && Traits::kKGrouped) {
+                // Bt [N, P]: one matrix for all experts, K from the expert's first pool row.
+                col = static_cast<int32_t>(tile.k_row + k0);
+                row = static_cast<int32_t>(cols.col(j));
+            } else if constexpr (Traits::kMajorB == Major::K) {
                 col = static_cast<int32_t>(k0);
                 row = static_cast<int32_t>(tile.expert * args.shape_n + cols.col(j));
             } else if constexpr (Traits::kType == GroupedGemmType::MGroupedContiguous) {

@@ -25,11 +25,22 @@
 //     wait_group 1 (kb's group done, kb + 1's still running), so one k-block of wgmmas stays in
 //     flight through every promotion but the last. Each stage is freed after the wait that covers
 //     its wgmmas. acc 64 + 2 x 64 partial fp32 registers per thread at BLOCK_N = 128.
+// K-grouped (weight gradients, Traits::kKGrouped, serial schedule only): D[e] = A_e^T B_e with both
+// pools quantized along their rows (the contraction) in 128 x 1 tiles, read transposed:
+//
+//   out[e][m, n] = sum over the expert's k-blocks kb of ( sum_{k in kb} at_q[m, k] * bt_q[n, k] ) * sa[m, kb] * sb[n, kb]
+//
+// at_q [M, P], bt_q [N, P] e4m3 K-major, sa [M, ceil(P/128)], sb [N, ceil(P/128)], kb the pool's k-block
+// index (the expert's first row / 128 + j). The B scale is per output column here: a thread
+// loads, per k-block, the scales of its accumulator columns (2 per 8-column group of the m64n128
+// fragment: 32), and promotes each element with sa[row] * sb[col].
+//
 // Both compute the same per-k-block partial sums (the same wgmmas on the same stages, scale-d = 0
 // on the first) and promote them in k-block order with the same fmaf, so the results are equal bit
 // for bit.
 
 #include <cstdint>
+#include <type_traits>
 
 #include <common/sm90_utils.cuh>
 #include <layout/sm90_gemm.cuh>
@@ -53,6 +64,23 @@ struct MainloopFP8 {
     static constexpr uint32_t kNumAccum = MMA::kNumAccum;
     static constexpr uint32_t kNumArgs = 2;
     static constexpr uint32_t kWgmmasPerBlock = Traits::kBlockK / MMA::K;
+    static constexpr bool kKGrouped = Traits::kKGrouped;
+    static_assert(!kKGrouped || !kOverlapPromotion,
+                  "MainloopFP8: the K-grouped GEMM's per-column scales leave no registers for a second partial set");
+    // B scales a thread applies per k-block: the tile's one weight-block scale (M-grouped), or one
+    // per accumulator column (K-grouped: columns 8 j + 2 (lane % 4) + t of the tile, index 2 j + t).
+    static constexpr uint32_t kNumScalesB = kKGrouped ? kNumAccum / 2 : 1;
+
+    // Where a thread's B scales of k-block kb live (K-grouped): column c of the tile at
+    // base + min(c - c0, max_dc) * stride + kb, c0 the thread's first column; columns past N read
+    // the last column's scales.
+    struct ColumnScales {
+        const float* base;
+        uint32_t max_dc;
+        uint32_t stride;
+    };
+    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;
+    using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], float>;
 
     struct Params {
         const float* scale_a;
@@ -60,13 +88,14 @@ struct MainloopFP8 {
         uint32_t last_row;   // shape_m - 1: rows of a tile past the pool read the last row's scales
         uint32_t k_blocks;   // ceil(K / 128): scales per row of sa, per block row of sb
         uint32_t n_blocks;   // ceil(N / 128)
+        uint32_t last_col;   // shape_n - 1 (K-grouped: columns of a tile past N read the last column's scales)
 
         template <class... Rest>
         __device__ Params(uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const float* sa, const float* sb,
                           const Rest&...)
             : scale_a(sa), scale_b(sb), last_row(shape_m > 0 ? shape_m - 1 : 0),
               k_blocks((shape_k + kScaleBlock - 1) / kScaleBlock),
-              n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock) {}
+              n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock), last_col(shape_n > 0 ? shape_n - 1 : 0) {}
     };
 
     template <uint32_t kSlices, class Pipe>
@@ -94,7 +123,7 @@ private:
                                                           const Stages& stages, uint32_t first_slice,
                                                           uint32_t lane) {
         const float* sa_ptr[kSlices][2];
-        const float* sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
+        const ScalesBPtr sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
 
         float partial[kSlices][kNumAccum];
 #pragma unroll
@@ -103,7 +132,9 @@ private:
             for (uint32_t i = 0; i < kNumAccum; ++i)
                 partial[s][i] = 0.0f;
         }
-        float sa[kSlices][2], sb = 0.0f;
+        float sa[kSlices][2];
+        ScalesB sb;
+        zero_scales_b(sb);
         if (tile.num_k_blocks > 0)
             load_scales(sa, sb, sa_ptr, sb_ptr, 0);
 
@@ -117,7 +148,8 @@ private:
             issue_block(partial, stages, st.stage, first_slice);
             mma::fence_accumulators(partial);
             // The next k-block's scales load while this one's wgmmas run.
-            float next_sa[kSlices][2], next_sb;
+            float next_sa[kSlices][2];
+            ScalesB next_sb;
             load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < tile.num_k_blocks ? kb + 1 : kb);
             ptx::wgmma_wait_group<0>();
             mma::fence_accumulators(partial);
@@ -130,7 +162,7 @@ private:
                 sa[s][0] = next_sa[s][0];
                 sa[s][1] = next_sa[s][1];
             }
-            sb = next_sb;
+            copy_scales_b(sb, next_sb);
         }
         return last_stage;
     }
@@ -270,6 +302,18 @@ private:
     template <uint32_t kSlices>
     __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
                                                    const float (&partial)[kSlices][kNumAccum],
+                                                   const float (&sa)[kSlices][2], const float (&sb)[kNumScalesB]) {
+        // K-grouped: accumulator i is row half (i / 2) % 2, column index 2 (i / 4) + i % 2.
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+#pragma unroll
+            for (uint32_t i = 0; i < kNumAccum; ++i)
+                acc[s][i] = fmaf(partial[s][i], sa[s][(i >> 1) & 1] * sb[2 * (i / 4) + (i & 1)], acc[s][i]);
+        }
+    }
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
+                                                   const float (&partial)[kSlices][kNumAccum],
                                                    const float (&sa)[kSlices][2], float sb) {
 #pragma unroll
         for (uint32_t s = 0; s < kSlices; ++s) {
@@ -284,10 +328,12 @@ private:
     // scales start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w, lane l) of
     // the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the
     // others) of each slice. Rows past the pool read the last row's scales.
+    // K-grouped: the rows are the expert's M rows, k-block kb of the tile is the pool's k-block
+    // k_row / 128 + kb, and the B scales are the thread's columns' (ColumnScales).
     template <uint32_t kSlices>
-    __device__ __forceinline__ static const float* scale_pointers(const float* (&sa_ptr)[kSlices][2],
-                                                               const sched::GroupedTile& tile, const Params& params,
-                                                               uint32_t first_slice, uint32_t lane) {
+    __device__ __forceinline__ static ScalesBPtr scale_pointers(const float* (&sa_ptr)[kSlices][2],
+                                                             const sched::GroupedTile& tile, const Params& params,
+                                                             uint32_t first_slice, uint32_t lane) {
         const uint32_t warp = (threadIdx.x % 128) / 32;
 #pragma unroll
         for (uint32_t s = 0; s < kSlices; ++s) {
@@ -295,9 +341,47 @@ private:
             for (uint32_t h = 0; h < 2; ++h) {
                 const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
                 sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
+                if constexpr (kKGrouped)
+                    sa_ptr[s][h] += tile.k_row / kScaleBlock;
             }
         }
-        return params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+        if constexpr (kKGrouped) {
+            const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
+            return ColumnScales{params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks + tile.k_row / kScaleBlock,
+                                params.last_col - col0, params.k_blocks};
+        } else {
+            return params.scale_b +
+                   (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+        }
+    }
+
+    __device__ __forceinline__ static void zero_scales_b(float& sb) { sb = 0.0f; }
+    __device__ __forceinline__ static void zero_scales_b(float (&sb)[kNumScalesB]) {
+#pragma unroll
+        for (uint32_t i = 0; i < kNumScalesB; ++i)
+            sb[i] = 0.0f;
+    }
+    __device__ __forceinline__ static void copy_scales_b(float& sb, float next) { sb = next; }
+    __device__ __forceinline__ static void copy_scales_b(float (&sb)[kNumScalesB], const float (&next)[kNumScalesB]) {
+#pragma unroll
+        for (uint32_t i = 0; i < kNumScalesB; ++i)
+            sb[i] = next[i];
+    }
+
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], float (&sb)[kNumScalesB],
+                                                       const float* (&sa_ptr)[kSlices][2], const ColumnScales& sb_ptr,
+                                                       uint32_t kb) {
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+            sa[s][0] = __ldg(sa_ptr[s][0] + kb);
+            sa[s][1] = __ldg(sa_ptr[s][1] + kb);
+        }
+#pragma unroll
+        for (uint32_t i = 0; i < kNumScalesB; ++i) {
+            const uint32_t dc = min(8 * (i / 2) + (i & 1), sb_ptr.max_dc);
+            sb[i] = __ldg(sb_ptr.base + static_cast<uint64_t>(dc) * sb_ptr.stride + kb);
+        }
     }
 
     template <uint32_t kSlices>

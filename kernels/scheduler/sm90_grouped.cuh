@@ -103,7 +103,12 @@ struct GroupedScheduler {
                 const uint32_t begin = static_cast<uint32_t>(__ldg(starts + tile.expert));
                 const uint32_t end = static_cast<uint32_t>(__ldg(ends + tile.expert));
                 tile.k_row = begin;
-                tile.num_k_blocks = (end - begin) / BLOCK_K;
+                // An fp8 k-block (128) is one scale block: a last expert that ends at the pool's
+                // end off a multiple of 128 gets its ragged block too (TMA reads zeros past the pool).
+                if constexpr (BLOCK_K == 128)
+                    tile.num_k_blocks = ceil_div(end - begin, BLOCK_K);
+                else
+                    tile.num_k_blocks = (end - begin) / BLOCK_K;
             }
             tile.n_block = n_unit * kClusterN + cta_rank;
             return true;
