@@ -14,8 +14,9 @@ GPU (Hopper), outputs NaN-poisoned first (every element of [E, M, N] must be wri
 expert without rows), seeds in the failure messages:
 
 - exact: integer e4m3 data (|a| <= 4, |b| <= 2: a 128-row k-block's partial sum is an integer below
-  2^10, exact in the tensor cores' fp8 accumulation) and power-of-2 scales (2^-2 .. 2^2: every partial sum a multiple of 2^-4 below 2^17), different per row of At
-  and per row of Bt and per k-block: every sum is exact in fp32, so out == emulation.to(bf16) bit
+  2^10, exact in the tensor cores' fp8 accumulation) and power-of-2 scales (2^-2 .. 2^2, so every
+  partial sum is a multiple of 2^-4 below 2^17), different per row of At, per row of Bt and per
+  k-block: every sum is exact in fp32, so out == emulation.to(bf16) bit
   for bit. This pins the per-(m, n) promotion scale sa[m, kb] * sb[n, kb], the pool's k-block index
   of each expert (starts[e] / 128 + j), ragged N (columns past N read clamped scales and are not
   stored), a last expert ending at P off a multiple of 128, gaps and empty experts.

@@ -28,7 +28,8 @@
 // K-grouped (weight gradients, Traits::kKGrouped, serial schedule only): D[e] = A_e^T B_e with both
 // pools quantized along their rows (the contraction) in 128 x 1 tiles, read transposed:
 //
-//   out[e][m, n] = sum over the expert's k-blocks kb of ( sum_{k in kb} at_q[m, k] * bt_q[n, k] ) * sa[m, kb] * sb[n, kb]
+//   out[e][m, n] = sum over the expert's k-blocks kb of
+//                  ( sum_{k in kb} at_q[m, k] * bt_q[n, k] ) * sa[m, kb] * sb[n, kb]
 //
 // at_q [M, P], bt_q [N, P] e4m3 K-major, sa [M, ceil(P/128)], sb [N, ceil(P/128)], kb the pool's k-block
 // index (the expert's first row / 128 + j). The B scale is per output column here: a thread
@@ -347,8 +348,8 @@ private:
         }
         if constexpr (kKGrouped) {
             const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
-            return ColumnScales{params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks + tile.k_row / kScaleBlock,
-                                params.last_col - col0, params.k_blocks};
+            const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
+            return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
         } else {
             return params.scale_b +
                    (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
