@@ -3,6 +3,7 @@
     python scripts/gemm_bench.py [--workload qwen3-30b-a3b-t16384] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --schedules [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8 [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --clusters [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows the experts own, and
@@ -17,6 +18,12 @@ copies), TFLOP/s of our blockwise-fp8 GEMM (m_grouped_fp8_gemm_nt_contiguous, op
 recipes.fp8 beforehand, not timed) under both mainloop schedules ("serial", the default, and
 "overlap") next to our bf16 GEMM on the same random operands; the "bits" column says whether the
 two fp8 schedules' outputs are equal bit for bit.
+
+--clusters: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192), TFLOP/s
+of clusters of 1 and of 2 CTAs (the launchers' ``cluster_n``: adjacent M blocks sharing the B tile by
+multicast) for the bf16 GEMMs (store epilogue, and the layer's combine epilogues) and the fp8 M-grouped
+GEMMs (both mainloops), next to one dense cuBLAS bf16 GEMM of the same M x N x K; "bits" says whether
+cluster 2's output equals cluster 1's bit for bit (it must: same wgmmas in the same K order).
 """
 from __future__ import annotations
 
@@ -220,6 +227,94 @@ def _fp8_table(args) -> int:
     return 0 if all(r["fp8_overlap_bit_identical"] for r in results) else 1
 
 
+def _cluster_cases(w):
+    """(dtype, name, dense (M, N, K), fn(cluster_n) -> output) per GEMM of the layer, and the pool rows
+    the experts own."""
+    torch.manual_seed(0)
+    idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
+    meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
+    starts, ends = meta.starts, meta.ends
+    used = int(ends[-1].item())
+    pad = meta.row_to_slot < 0
+    rows = meta.num_pool_rows
+    E, H, I, T, K = w.num_experts, w.hidden, w.intermediate, w.num_tokens, w.top_k
+    x, act = _pool(rows, H, pad), _pool(rows, I, pad)
+    dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
+    l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    weights = torch.rand(T, K, device="cuda")
+    combine = gg.Scatter(meta.row_to_slot, T * K, weights)
+    plain = gg.Scatter(meta.row_to_slot, T * K)
+    nt, nn, tn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous, \
+        gg.k_grouped_bf16_gemm_tn_contiguous
+    cases = [
+        ("bf16", "L1 fwd  nt", (used, 2 * I, H), lambda c: nt(x, l1, starts, ends, cluster_n=c)),
+        ("bf16", "L2 fwd  nt", (used, H, I), lambda c: nt(act, l2, starts, ends, cluster_n=c)),
+        ("bf16", "L2 fwd  nt combine", (used, H, I),
+         lambda c: nt(act, l2, starts, ends, scatter=combine, cluster_n=c)),
+        ("bf16", "L2 dgrad nn", (used, I, H), lambda c: nn(dy, l2, starts, ends, cluster_n=c)),
+        ("bf16", "L1 dgrad nn", (used, H, 2 * I), lambda c: nn(dh, l1, starts, ends, cluster_n=c)),
+        ("bf16", "L1 dgrad nn combine", (used, H, 2 * I),
+         lambda c: nn(dh, l1, starts, ends, scatter=plain, cluster_n=c)),
+        ("bf16", "L1 wgrad tn", (2 * I, H, used), lambda c: tn(dh, x, starts, ends, cluster_n=c)),
+        ("bf16", "L2 wgrad tn", (H, I, used), lambda c: tn(dy, act, starts, ends, cluster_n=c)),
+    ]
+    w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
+    q = {name: fp8_recipe.quantize_rows(t) for name, t in (("x", x), ("act", act), ("dy", dy), ("dh", dh))}
+    for mainloop in fg.MAINLOOP_SCHEDULES:
+        def fp8(a, wq, mainloop=mainloop, **kw):
+            return lambda c: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *wq, starts, ends, mainloop=mainloop,
+                                                                 cluster_n=c, **kw)
+        dtype = f"fp8 {mainloop}"
+        cases += [
+            (dtype, "L1 fwd  nt", (used, 2 * I, H), fp8("x", w1.nk)),
+            (dtype, "L2 fwd  nt combine", (used, H, I), fp8("act", w2.nk, scatter=combine)),
+            (dtype, "L2 dgrad", (used, I, H), fp8("dy", w2.kn)),
+            (dtype, "L1 dgrad combine", (used, H, 2 * I), fp8("dh", w1.kn, scatter=plain)),
+        ]
+    return cases, used
+
+
+def _cluster_table(args) -> int:
+    results = []
+    for workload in args.workload or _SCHEDULE_WORKLOADS:
+        w = WORKLOADS[workload]
+        cublas = {}
+        cases, used = _cluster_cases(w)
+        for dtype, name, (m, n, k), fn in cases:
+            flops = 2.0 * m * n * k
+            # Compared where written: pool rows below ends[-1] (store), every slot (combine: uniform
+            # routing fills all T*K), every expert (K-grouped); [:used] keeps all of the latter two.
+            one, two = fn(1), fn(2)
+            torch.cuda.synchronize()
+            same = torch.equal(one[:used].view(torch.int16), two[:used].view(torch.int16))
+            del one, two
+            row = {"workload": w.name, "dtype": dtype, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same}
+            for c in gg.CLUSTER_SIZES:
+                row[f"c{c}"] = flops / median_ms(lambda: fn(c), args.reps) / 1e9
+            if (m, n, k) not in cublas:
+                a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+                cublas[(m, n, k)] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
+                del a, b
+            row["cublas"] = cublas[(m, n, k)]
+            results.append(row)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"TFLOP/s on {torch.cuda.get_device_name()}: clusters of 1 and 2 CTAs (cluster_n; 2 = adjacent M blocks "
+          "sharing B by multicast); dense cuBLAS: bf16 torch.matmul of the same M x N x K")
+    print(f"{'workload':<22} | {'dtype':<11} | {'gemm':<19} | {'M x N x K':>20} | {'c1':>6} | {'c2':>6} | "
+          f"c2/c1 | {'cuBLAS':>6} | bits")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{r['workload']:<22} | {r['dtype']:<11} | {r['gemm']:<19} | {shape:>20} | {r['c1']:6.1f} | "
+              f"{r['c2']:6.1f} | {r['c2'] / r['c1']:4.2f}x | {r['cublas']:6.1f} | "
+              f"{'same' if r['bit_identical'] else 'DIFFER'}")
+    return 0 if all(r["bit_identical"] for r in results) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
@@ -229,15 +324,19 @@ def main() -> int:
                         help="cooperative vs ping-pong vs dense cuBLAS TFLOP/s per GEMM")
     parser.add_argument("--fp8", action="store_true",
                         help="our blockwise-fp8 GEMM vs our bf16 GEMM TFLOP/s per M-grouped GEMM of the layer")
+    parser.add_argument("--clusters", action="store_true",
+                        help="clusters of 1 vs 2 CTAs (bf16 and fp8) vs dense cuBLAS TFLOP/s per GEMM, with bit identity")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args()
-    if args.schedules and args.fp8:
-        parser.error("--schedules and --fp8: one table at a time")
-    if not (args.schedules or args.fp8) and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules or --fp8")
+    if args.schedules + args.fp8 + args.clusters > 1:
+        parser.error("--schedules, --fp8 and --clusters: one table at a time")
+    if not (args.schedules or args.fp8 or args.clusters) and args.workload and len(args.workload) > 1:
+        parser.error("--workload: one workload without --schedules, --fp8 or --clusters")
     if args.fp8:
         return _fp8_table(args)
+    if args.clusters:
+        return _cluster_table(args)
     return _schedule_table(args) if args.schedules else _grouped_table(args)
 
 

@@ -64,11 +64,18 @@ def test_fp8_configs_are_registered():
                                                 "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted",
                                                 "sm90_fp8_grouped_gemm_nt_n128_s6_overlap",
                                                 "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_overlap",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_overlap"]
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_overlap",
+                                                # clusters of 2 (tests/test_gpu_gemm_clusters.py)
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_overlap_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_overlap_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_overlap_c2"]
     for name, code, is_gemm in fg.configs():
         assert is_gemm and code.count("sm90_grouped_gemm_kernel<") == 1, name
         assert "mma/sm90_mainloop_fp8.cuh" in code and "dge::gemm::ElementType::E4M3" in code, name
-        policy = "MainloopFP8Overlap" if name.endswith("_overlap") else "MainloopFP8"
+        policy = "MainloopFP8Overlap" if name.removesuffix("_c2").endswith("_overlap") else "MainloopFP8"
         assert f"dge::gemm::{policy}, Epilogue" in code, name
     store = fg.GemmConfig("nt", 128, dtype="fp8")
     # Kernel arguments: the core's, the mainloop's scales, then the epilogue's.
@@ -103,7 +110,7 @@ def test_bf16_sources_do_not_mention_the_element_type():
         code = config.code()
         assert config.dtype == "bf16" and "ElementType" not in code and "fp8" not in code, config.name
         assert "dge::gemm::MainloopBF16, Epilogue" in code, config.name
-    assert len(gg.configs()) == 56
+    assert len(gg.configs()) == 56 + 5  # + the clusters of 2 (tests/test_gpu_gemm_clusters.py)
 
 
 @pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(block_n=256), dict(schedule="pingpong"),

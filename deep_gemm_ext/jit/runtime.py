@@ -159,16 +159,42 @@ class Kernel:
         if not isinstance(smem, int) or smem < 0:
             raise ValueError(f"smem={smem!r}: expected a non-negative int (bytes of dynamic shared memory)")
         cuda = driver()
+        self._allow_smem(cuda, smem, device)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        plan = self._plans[key] = _Plan(cuda, grid, block, smem, cluster, pdl)
+        return plan
+
+    def _allow_smem(self, cuda, smem: int, device: int) -> None:
         if smem > self._smem_limit.get(device, 48 * 1024):
             check(cuda.cuKernelSetAttribute(
                 cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, self._kernel,
                 check(cuda.cuDeviceGet(device), "cuDeviceGet")),
                 f"raising the dynamic shared memory of {self.name!r} to {smem} bytes")
             self._smem_limit[device] = smem
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        plan = self._plans[key] = _Plan(cuda, grid, block, smem, cluster, pdl)
-        return plan
+
+    def max_active_clusters(self, cluster: tuple[int, int, int], block: tuple[int, int, int], smem: int) -> int:
+        """How many clusters of ``cluster`` CTAs (``block`` threads, ``smem`` dynamic bytes each) the
+        current device holds at once (cuOccupancyMaxActiveClusters), cached per device: a persistent
+        grid of clusters must not exceed it, or the clusters past it wait for the first ones to exit."""
+        _check_dims("cluster", cluster)
+        _check_dims("block", block)
+        if self._function is None:
+            self._load()
+        device = torch._C._cuda_getDevice()
+        key = ("clusters", cluster, block, smem, device)
+        count = self._plans.get(key)
+        if count is None:
+            cuda = driver()
+            self._allow_smem(cuda, smem, device)
+            plan = _Plan(cuda, cluster, block, smem, cluster, False)
+            plan.config.hStream = torch._C._cuda_getCurrentRawStream(device)
+            count = check(cuda.cuOccupancyMaxActiveClusters(self._function, plan.config),
+                          f"cuOccupancyMaxActiveClusters({self.name}, cluster={cluster}, smem={smem})")
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = count = int(count)
+        return count
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, *, smem: int = 0,
                stream: torch.cuda.Stream | None = None, cluster: tuple[int, int, int] | None = None,

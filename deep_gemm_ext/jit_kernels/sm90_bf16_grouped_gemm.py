@@ -138,6 +138,12 @@ _FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
 #: sets, issuing k-block kb + 1 before promoting kb. Same bits under both.
 FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::MainloopFP8Overlap"}
+#: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
+#: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
+#: cooperative schedule, unpaired tiles, and the store or combine epilogues.
+CLUSTER_SIZES = (1, 2)
+CLUSTER_EPILOGUES = ("store", "scatter", "scatter_weighted")
+_CLUSTER_RULES = dict(gather_a=None, gather_b=False, schedule="cooperative", paired_n=False)
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,10 @@ class GemmConfig:
     schedule: str = "cooperative"  # consumer schedule: "cooperative" or "pingpong" (SCHEDULES)
     dtype: str = "bf16"  # operand type, a key of MAINLOOPS: "bf16" or "fp8" (blockwise-scaled e4m3)
     fp8_mainloop: str = "serial"  # dtype "fp8" only: the fp8 mainloop's schedule, a key of FP8_MAINLOOPS
+    # CTAs per cluster (CLUSTER_SIZES): 2 pairs adjacent M blocks of one N block, which share the B
+    # tile by TMA multicast (kernels/scheduler/sm90_grouped.cuh); plain TMA loader, cooperative
+    # schedule, store or combine epilogues (CLUSTER_EPILOGUES) only.
+    cluster_n: int = 1
 
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
@@ -187,6 +197,15 @@ class GemmConfig:
         if self.dtype != "fp8" and self.fp8_mainloop != "serial":
             raise ValueError(f"GemmConfig: fp8_mainloop={self.fp8_mainloop!r} with dtype={self.dtype!r}, expected "
                              f"dtype='fp8' (the bf16 mainloop has one schedule)")
+        if isinstance(self.cluster_n, bool) or self.cluster_n not in CLUSTER_SIZES:
+            raise ValueError(f"GemmConfig: cluster_n={self.cluster_n!r}, expected one of {CLUSTER_SIZES}")
+        if self.cluster_n > 1:
+            wrong = {k: getattr(self, k) for k, v in _CLUSTER_RULES.items() if getattr(self, k) != v}
+            if self.epilogue not in CLUSTER_EPILOGUES:
+                wrong["epilogue"] = self.epilogue
+            if wrong:
+                raise ValueError(f"GemmConfig: cluster_n={self.cluster_n} takes {_CLUSTER_RULES} and an epilogue of "
+                                 f"{CLUSTER_EPILOGUES}, got {wrong}")
 
     @property
     def stages(self) -> int:
@@ -207,6 +226,8 @@ class GemmConfig:
             name += f"_{self.schedule}"
         if self.fp8_mainloop != "serial":
             name += f"_{self.fp8_mainloop}"
+        if self.cluster_n > 1:
+            name += f"_c{self.cluster_n}"
         return name
 
     @property
@@ -231,7 +252,7 @@ class GemmConfig:
                 "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
                 f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
                 f"dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
-                f"    {self.block_n}, {self.stages}, 1, {'true' if self.paired_n else 'false'}, {_GROUP_M}"
+                f"    {self.block_n}, {self.stages}, {self.cluster_n}, {'true' if self.paired_n else 'false'}, {_GROUP_M}"
                 f"{extra}>;\n"
                 f"using Epilogue = {epilogue_cpp};\n"
                 "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
@@ -249,6 +270,19 @@ class GemmConfig:
         if smem is None:
             raise RuntimeError(f"{self.name}: the cubin exports no {jit.SMEM_SYMBOL}")
         return smem
+
+
+def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False, schedule: str = "cooperative") -> None:
+    """``cluster_n=`` of a launcher: one of CLUSTER_SIZES, and 2 only where GemmConfig takes it."""
+    if isinstance(cluster_n, bool) or cluster_n not in CLUSTER_SIZES:
+        raise ValueError(f"cluster_n={cluster_n!r}: expected one of {CLUSTER_SIZES}")
+    if cluster_n == 1:
+        return
+    for label, value, plain in (("gather", gather, None), ("paired_n", paired_n, False),
+                                ("schedule", schedule, "cooperative")):
+        if value != plain:
+            raise ValueError(f"cluster_n={cluster_n} with {label}={value!r}: clusters take the plain TMA loader, "
+                             f"unpaired tiles and the cooperative schedule (expected {label}={plain!r})")
 
 
 def _check_schedule(schedule) -> None:
@@ -286,7 +320,11 @@ def _all_configs() -> list[GemmConfig]:
     # The ping-pong twin of each (DGE_GEMM_SCHEDULE=pingpong): 128-wide tiles, paired ones included.
     pingpong = {dataclasses.replace(c, block_n=128, schedule="pingpong"): None
                 for c in configs if c.block_n == 128 or c.paired_n}
-    return configs + list(pingpong)
+    # Clusters of 2 (cluster_n=2): the 256-wide store GEMMs of every layout and the combine epilogues.
+    clusters = [GemmConfig(layout, 256, cluster_n=2) for layout in ("nt", "nn", "tn")]
+    clusters += [GemmConfig("nt", 256, epilogue="scatter_weighted", cluster_n=2),
+                 GemmConfig("nn", 256, epilogue="scatter", cluster_n=2)]
+    return configs + list(pingpong) + clusters
 
 
 @jit.register("sm90_bf16_grouped_gemm")
@@ -454,21 +492,34 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
     kernel = config.kernel()
     a_map = (jit.make_tma_2d(a, 1, 64) if config.gather_a == "tma"
              else jit.make_tma_2d(a, 64, STAGE_ROW_BYTES // a.element_size()))
-    grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
+    smem = config.smem_bytes()
+    cluster = None
+    if config.cluster_n == 1:
+        grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
+    else:
+        # Whole clusters only, no more than the device holds at once (a persistent grid past that
+        # would run its last clusters after the first ones), and no more than the tiles need.
+        cluster = (config.cluster_n, 1, 1)
+        resident = kernel.max_active_clusters(cluster, (_THREADS, 1, 1), smem)
+        if resident < 1:
+            raise RuntimeError(f"{config.name}: the device holds no cluster of {config.cluster_n} CTAs with "
+                               f"{smem} bytes of shared memory each")
+        clusters = min(jit.num_sms(a.device) // config.cluster_n, resident, -(-max_tiles // config.cluster_n))
+        grid = (max(1, clusters) * config.cluster_n, 1, 1)
     if gather is not None:
         src = a if gather_src is None else gather_src
         gather_args = dict(gather_row_to_slot=gather.row_to_slot, gather_top_k=gather.top_k, gather_x=src,
                            gather_x_rows=src.shape[0])
     else:  # placeholders: LoaderTma reads none of them
         gather_args = dict(gather_row_to_slot=starts, gather_top_k=1, gather_x=None, gather_x_rows=0)
-    smem = config.smem_bytes()
     if _env.print_configs():
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
-              f"stages={config.stages} grid={grid[0]} tiles<={max_tiles} smem={smem}", file=sys.stderr, flush=True)
+              f"stages={config.stages} grid={grid[0]} cluster={config.cluster_n} tiles<={max_tiles} smem={smem}",
+              file=sys.stderr, flush=True)
     args = jit.pack_args(config.name, config.args, starts=starts, ends=ends, num_experts=starts.shape[0],
                          shape_m=shape_m, shape_n=shape_n, shape_k=shape_k, **gather_args, tma_a=a_map,
                          tma_b=b_map, **(mainloop_args or {}), **epi_args)
-    kernel.launch(grid, (_THREADS, 1, 1), args, smem=smem)
+    kernel.launch(grid, (_THREADS, 1, 1), args, smem=smem, cluster=cluster)
 
 
 def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None, *, cp_async_only: bool = False):
@@ -504,9 +555,10 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, schedule: str = "cooperative") -> torch.Tensor:
+               scatter: Scatter | None = None, schedule: str = "cooperative", cluster_n: int = 1) -> torch.Tensor:
     _check_schedule(schedule)
     _check_gather(gather)
+    _check_cluster(cluster_n, gather=gather, paired_n=paired_n, schedule=schedule)
     if scatter is not None and paired_n:
         raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
     num_experts = _check_inputs(a, b, 3, starts, ends)
@@ -533,7 +585,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     a = _gather_operand("a", a, gather)
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
     config = GemmConfig(layout, block_n, paired_n, epilogue=epilogue,
-                        gather_a=gather.mode if gather is not None else None, schedule=schedule)
+                        gather_a=gather.mode if gather is not None else None, schedule=schedule, cluster_n=cluster_n)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
@@ -546,7 +598,7 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      schedule: str = "cooperative") -> torch.Tensor:
+                                      schedule: str = "cooperative", cluster_n: int = 1) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -555,37 +607,44 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     ``gather``: a is x [T, K] and the GEMM reads pool row r from ``x[row_to_slot[r] // top_k]``
     (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter.weights is given); see
-    Scatter. ``schedule``: the consumer schedule (SCHEDULES), same bits under each.
+    Scatter. ``schedule``: the consumer schedule (SCHEDULES), same bits under each. ``cluster_n``: CTAs
+    per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks by multicast, without
+    gather, paired_n or the ping-pong schedule), same bits under each.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, schedule)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather: Gather | None = None,
-                                      scatter: Scatter | None = None, schedule: str = "cooperative") -> torch.Tensor:
+                                      scatter: Scatter | None = None, schedule: str = "cooperative",
+                                      cluster_n: int = 1) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``gather``: a is the token matrix (e.g. dy [T, H]), gathered by the GEMM.
     ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for combine_slots).
+    ``cluster_n``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, schedule)
+    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, schedule, cluster_n)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather_a: Gather | None = None,
-                                      gather_b: Gather | None = None, schedule: str = "cooperative") -> torch.Tensor:
+                                      gather_b: Gather | None = None, schedule: str = "cooperative",
+                                      cluster_n: int = 1) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x for dW1 [E, 2I, H]), M a multiple of 128. Experts
     without rows get zeros. ``gather_a`` / ``gather_b`` (one at most, mode "cp_async"): that operand
-    is a token matrix (dy for dW2, x for dW1) whose rows the GEMM gathers.
+    is a token matrix (dy for dW2, x for dW1) whose rows the GEMM gathers. ``cluster_n``: CTAs per
+    cluster (CLUSTER_SIZES; 2 pairs adjacent M blocks of one expert, sharing B, without gathers).
     """
     _check_schedule(schedule)
     if gather_a is not None and gather_b is not None:
         raise ValueError("gather_a and gather_b: expected at most one gathered operand")
     gather = gather_a if gather_a is not None else gather_b
     _check_gather(gather)
+    _check_cluster(cluster_n, gather=gather, schedule=schedule)
     num_experts = _check_inputs(a, b, 2, starts, ends)
     if gather_a is not None:
         rows = _pool_rows(gather_a, a)
@@ -609,7 +668,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
         return out.zero_()
     block_n = select_tile(n, schedule=schedule).block_n
     config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
-                        gather_b=gather_b is not None, schedule=schedule)
+                        gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n)
     a = _gather_operand("a", a, gather_a, cp_async_only=True)
     b = _gather_operand("b", b, gather_b, cp_async_only=True)
     with jit.device_guard(a):

@@ -21,8 +21,29 @@
 // same fp32 sum in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
 // tile order is the scheduler's (scheduler/sm90_grouped.cuh).
 //
-// kClusterN = 2 pairs CTAs on adjacent N blocks of one M block and multicasts A between them. It is
-// correct but measured 0.6x of kClusterN = 1 on H200 (cause not yet found), so launchers use 1.
+// Clusters (GemmTraits::kClusterN = 2 CTAs per cluster, launched with a cluster dimension of 2):
+// the two CTAs take adjacent M blocks of one N block and multicast the shared B tile, each loading
+// half of it into both (scheduler/sm90_grouped.cuh has the pairing, its tails and the pairs that
+// cannot share). Each CTA's empty barriers count the consumer warps of both CTAs, since a producer
+// may overwrite its half of B in both CTAs only once both consumers have freed the stage. Each
+// output element is the same fp32 sum in the same K order as without clusters (same wgmmas on the
+// same stage contents), so the results are equal bit for bit.
+//
+// Why the first clustered version ran at 0.4-0.66x of one CTA per cluster: the consumers' release
+// of a stage to the peer was an `mbarrier.arrive.release.cluster` on the remote barrier, which
+// ptxas turns into MEMBAR.ALL.CTA + MEMBAR.ALL.GPU + ERRBAR + CGAERRBAR before each arrival. Every
+// consumer warp thus waited for a GPU-scope fence once per k-block, between one k-block's wgmmas
+// and the next, with only one k-block of wgmmas in flight (wait_group 1): the tensor cores ran dry
+// at each fence. The arrival now has the default CTA-scope release (ptx/mbarrier.cuh), one
+// SYNCS.ARRIVE per warp, which is all the hand-back of a stage needs. The other suspects were
+// checked and are sound: no cluster barrier but at the kernel's start and end; the CTAs of a
+// cluster issue disjoint halves of the shared operand; expect_tx counts the whole stage in each
+// CTA; the launcher's grid is a multiple of the cluster size, capped by the driver's count of
+// co-resident clusters (jit/runtime.py: Kernel.max_active_clusters); the cluster dimension reaches
+// cuLaunchKernelEx as CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION; setmaxnreg is per warpgroup and
+// unaffected. The pairing itself moved from N to M: an odd N-block count (N = 768 at 256-wide
+// tiles) would have left the second CTA of every M block's last pair without work, and B is the
+// larger operand of the 128 x 256 tile.
 
 #include <cstdint>
 #include <cuda.h>
@@ -159,6 +180,11 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             const uint32_t tile_row = Traits::kType == GroupedGemmType::MGroupedContiguous
                                           ? t.m_block * BLOCK_M
                                           : t.expert * shape_m + t.m_block * BLOCK_M;
+            // A duplicate of the cluster partner's tile (scheduler): run for the barriers, not stored.
+            if constexpr (kClusterN > 1) {
+                if (!t.store)
+                    return;
+            }
 #pragma unroll
             for (uint32_t s = 0; s < kSlices; ++s) {
                 const EpilogueTile<Traits::BLOCK_N, Traits::kPairedN> epi_tile{

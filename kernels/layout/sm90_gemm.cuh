@@ -40,7 +40,8 @@ enum class Schedule : uint32_t { Cooperative = 0, Pingpong = 1 };
 enum class ElementType : uint32_t { BF16 = 0, E4M3 = 1 };
 
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
-// CTAs per cluster along N, paired N tiling (below), the scheduler's M-block group, the consumer
+// CTAs per cluster (kClusterN: 1, or 2 on adjacent M blocks sharing B by multicast), paired N
+// tiling (below), the scheduler's M-block group, the consumer
 // schedule and the operand element type.
 template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
           uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, Schedule kSchedule_ = Schedule::Cooperative,
@@ -76,7 +77,7 @@ struct GemmTraits {
                   "K-major (the transposed pools)");
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
-    static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
+    static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs");
     // Two 64 x BLOCK_N fp32 accumulator slices must fit the consumer's 232 registers.
     static_assert(!kPingpong || (BLOCK_N == 128 && kClusterN == 1),
                   "the ping-pong schedule takes 128 x 128 tiles per warpgroup, without clusters");

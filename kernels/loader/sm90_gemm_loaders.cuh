@@ -15,7 +15,7 @@
 //     waits for the stage to be free and fills it; every thread that runs() calls it.
 //
 //   LoaderTma             both operands by TMA boxes of 64 rows x 128 bytes (64 x 64 bf16, 64 x 128
-//                         e4m3; one thread; A multicast in clusters). K-grouped e4m3 reads the
+//                         e4m3; one thread; B multicast in clusters). K-grouped e4m3 reads the
 //                         transposed pools At [M, P], Bt [N, P] K-major from the expert's first row.
 //   LoaderGatherTmaRows   (M-grouped A) the first producer warp loads the 128 rows of each A stage as
 //                         1-row TMA boxes (64 columns, 128 bytes) placed at row r * 128 of the stage:
@@ -73,11 +73,10 @@ struct TmaOperands {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
 
-    // A: two 64-wide atoms (rows of the pool for K-major, columns of M for MN-major); in a cluster
-    // each CTA loads one atom for both.
+    // A: two 64-wide atoms (rows of the pool for K-major, columns of M for MN-major), each CTA its own.
     __device__ __forceinline__ static void load_a(const LoaderArgs& args, const Stages& stages, uint32_t stage,
                                                   const sched::GroupedTile& tile, uint32_t k0, uint32_t full) {
-        auto load_atom = [&](uint32_t atom, uint16_t mask) {
+        auto load_atom = [&](uint32_t atom) {
             int32_t col, row;
             if constexpr (Traits::kMajorA == Major::K && Traits::kKGrouped) {
                 // At [M, P]: the expert's M block, K from its first pool row.
@@ -90,26 +89,27 @@ struct TmaOperands {
                 col = static_cast<int32_t>(tile.m_block * BLOCK_M + atom * 64);
                 row = static_cast<int32_t>(tile.k_row + k0);
             }
-            const uint32_t dst = stages.a(stage) + atom * mma::kAtomBytes;
-            if constexpr (Traits::kClusterN > 1)
-                ptx::tma_load_2d_multicast(dst, &args.tma_a, full, col, row, mask);
-            else
-                ptx::tma_load_2d(dst, &args.tma_a, full, col, row);
+            ptx::tma_load_2d(stages.a(stage) + atom * mma::kAtomBytes, &args.tma_a, full, col, row);
         };
-        if constexpr (Traits::kClusterN > 1) {
-            load_atom(args.cta_rank, static_cast<uint16_t>((1u << Traits::kClusterN) - 1));
-        } else {
-            load_atom(0, 0);
-            load_atom(1, 0);
-        }
+        load_atom(0);
+        load_atom(1);
     }
 
-    // B: BLOCK_N / 64 atoms of the tile's columns.
+    // B: BLOCK_N / 64 atoms of the tile's columns. In a cluster whose pair shares B (tile.multicast,
+    // scheduler/sm90_grouped.cuh), CTA r loads atoms [r h, r h + h), h = BLOCK_N / 128, into the same
+    // smem offset of both CTAs, completing on each CTA's full barrier of the stage: every CTA still
+    // receives the whole stage (its expect_tx bytes are the same either way).
     __device__ __forceinline__ static void load_b(const LoaderArgs& args, const Stages& stages, uint32_t stage,
                                                   const sched::GroupedTile& tile, const Columns& cols, uint32_t k0,
                                                   uint32_t full) {
+        constexpr uint32_t kHalf = Traits::kNumBChunks / 2;
+        const bool multicast = Traits::kClusterN > 1 && tile.multicast;
 #pragma unroll
         for (uint32_t j = 0; j < Traits::kNumBChunks; ++j) {
+            if constexpr (Traits::kClusterN > 1) {
+                if (multicast && j / kHalf != args.cta_rank)
+                    continue;
+            }
             int32_t col, row;
             if constexpr (Traits::kMajorB == Major::K && Traits::kKGrouped) {
                 // Bt [N, P]: one matrix for all experts, K from the expert's first pool row.
@@ -125,7 +125,15 @@ struct TmaOperands {
                 col = static_cast<int32_t>(cols.col(j));
                 row = static_cast<int32_t>(tile.k_row + k0);
             }
-            ptx::tma_load_2d(stages.b(stage) + j * mma::kAtomBytes, &args.tma_b, full, col, row);
+            const uint32_t dst = stages.b(stage) + j * mma::kAtomBytes;
+            if constexpr (Traits::kClusterN > 1) {
+                if (multicast) {
+                    ptx::tma_load_2d_multicast(dst, &args.tma_b, full, col, row,
+                                               static_cast<uint16_t>((1u << Traits::kClusterN) - 1));
+                    continue;
+                }
+            }
+            ptx::tma_load_2d(dst, &args.tma_b, full, col, row);
         }
     }
 };

@@ -23,13 +23,20 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
-// Arrive on the barrier at the same smem offset in CTA `cta_rank` of the cluster.
+// Arrive on the barrier at the same smem offset in CTA `cta_rank` of the cluster, with the
+// default (release at CTA scope) semantics. This is for a consumer handing a stage back: what it
+// orders is the completion of its wgmma reads of the stage (wgmma.wait_group has already retired
+// them), not data that the peer must see, so no cluster-scope release is needed. Written as
+// `mbarrier.arrive.release.cluster`, ptxas emits MEMBAR.ALL.CTA + MEMBAR.ALL.GPU + ERRBAR +
+// CGAERRBAR before every arrival: a GPU-wide memory fence per consumer warp per k-block, which
+// stalls the warp between its wgmma batches (the slowdown of the first clustered GEMMs). This form
+// compiles to the single SYNCS.ARRIVE.TRANS64.RED of the remote arrival.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t cta_rank) {
     asm volatile(
         "{\n"
         ".reg .b32 remote;\n"
         "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
         "}\n" :: "r"(bar), "r"(cta_rank) : "memory");
 }
 

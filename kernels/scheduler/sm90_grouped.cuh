@@ -10,8 +10,18 @@
 // K-grouped (weight gradients): tiles are (expert, M block, N block) of the [E, M, N] output; the
 // K loop runs over the expert's pool rows, 0 blocks for an empty expert.
 //
-// With clusters of kClusterN CTAs along N, a scheduling unit is kClusterN adjacent N blocks of
-// one M block, so the CTAs of a cluster see the same M block (and expert) in lock step.
+// Clusters of kClusterSize = 2 CTAs: a scheduling unit is a pair of adjacent M blocks (2p, 2p + 1)
+// at one N block; CTA r of the cluster takes M block 2p + r. The pair shares the B tile (the same
+// expert weight block, or for K-grouped GEMMs the same expert's B rows), which the loader then
+// multicasts: each CTA loads one half of B into both CTAs (GroupedTile::multicast). Pairing along
+// M (not N) keeps any N-block count (N = 768 at 256-wide tiles is 3 blocks) and multicasts the
+// larger operand of a 128 x 256 tile (B, 32 KiB per k-block, against A's 16 KiB). The two CTAs
+// share their smem rings' empty barriers, so they must consume the same sequence of k-blocks: a
+// CTA whose M block does not exist (past the last block, a block no expert owns, past an expert's
+// M in K-grouped GEMMs) runs a duplicate of its partner's tile with GroupedTile::store = false
+// (loads, wgmmas, no epilogue), and a pair of two different experts loads without multicast
+// (M-grouped: the pair straddles an expert boundary). Both CTAs derive all of this from the unit,
+// so they agree without communicating.
 
 #include <cstdint>
 
@@ -25,6 +35,8 @@ struct GroupedTile {
     uint32_t expert;
     uint32_t num_k_blocks;
     uint32_t k_row;         // K-grouped: first pool row of the expert; 0 otherwise
+    bool multicast;         // clusters: the pair shares B (each CTA loads half of it into both)
+    bool store;             // false: a duplicate of the partner's tile, run for the barriers only
 };
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
@@ -45,34 +57,40 @@ __device__ __forceinline__ uint32_t owning_expert(const int* starts, const int* 
     return lo < num_experts && static_cast<uint32_t>(__ldg(starts + lo)) <= row ? lo : num_experts;
 }
 
-template <GroupedGemmType kType, uint32_t BLOCK_M, uint32_t BLOCK_K, uint32_t kGroupM, uint32_t kClusterN>
+template <GroupedGemmType kType, uint32_t BLOCK_M, uint32_t BLOCK_K, uint32_t kGroupM, uint32_t kClusterSize>
 struct GroupedScheduler {
-    static_assert(kGroupM > 0 && kClusterN > 0, "GroupedScheduler: kGroupM and kClusterN must be positive");
+    static_assert(kGroupM > 0, "GroupedScheduler: kGroupM must be positive");
+    static_assert(kClusterSize == 1 || kClusterSize == 2, "GroupedScheduler: clusters of 1 or 2 CTAs");
+    // M blocks per unit and per scheduling group (M-grouped: kGroupM blocks, rounded up to pairs).
+    static constexpr uint32_t kUnitM = kClusterSize;
+    static constexpr uint32_t kGroupUnits = (kGroupM + kUnitM - 1) / kUnitM;
 
     const int* starts;
     const int* ends;
     uint32_t num_experts;
     uint32_t num_m_blocks;      // M-grouped: used pool blocks; K-grouped: blocks per expert
-    uint32_t num_n_units;       // N blocks / kClusterN
+    uint32_t num_m_units;       // M blocks / kClusterSize, rounded up
+    uint32_t num_n_blocks;
     uint32_t num_tiles;         // scheduling units
     uint32_t num_k_blocks;      // M-grouped only
     uint32_t next_unit;
     uint32_t stride;
     uint32_t cta_rank;
 
-    // num_n_blocks must be a multiple of kClusterN (checked on the host).
     __device__ GroupedScheduler(const int* starts_, const int* ends_, uint32_t num_experts_, uint32_t shape_m,
-                                uint32_t num_n_blocks, uint32_t shape_k, uint32_t unit_begin,
+                                uint32_t num_n_blocks_, uint32_t shape_k, uint32_t unit_begin,
                                 uint32_t unit_stride, uint32_t cta_rank_)
-        : starts(starts_), ends(ends_), num_experts(num_experts_), num_n_units(num_n_blocks / kClusterN),
+        : starts(starts_), ends(ends_), num_experts(num_experts_), num_n_blocks(num_n_blocks_),
           num_k_blocks(ceil_div(shape_k, BLOCK_K)), next_unit(unit_begin), stride(unit_stride), cta_rank(cta_rank_) {
         if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
             const uint32_t used_rows = num_experts > 0 ? static_cast<uint32_t>(__ldg(ends + num_experts - 1)) : 0;
             num_m_blocks = ceil_div(used_rows, BLOCK_M);
-            num_tiles = num_m_blocks * num_n_units;
+            num_m_units = ceil_div(num_m_blocks, kUnitM);
+            num_tiles = num_m_units * num_n_blocks;
         } else {
             num_m_blocks = shape_m / BLOCK_M;
-            num_tiles = num_experts * num_m_blocks * num_n_units;
+            num_m_units = ceil_div(num_m_blocks, kUnitM);
+            num_tiles = num_experts * num_m_units * num_n_blocks;
         }
     }
 
@@ -80,26 +98,54 @@ struct GroupedScheduler {
         while (next_unit < num_tiles) {
             const uint32_t unit = next_unit;
             next_unit += stride;
-            uint32_t n_unit;
+            tile.multicast = false;
+            tile.store = true;
             if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
-                const uint32_t group_units = kGroupM * num_n_units;
+                const uint32_t group_units = kGroupUnits * num_n_blocks;
                 const uint32_t group = unit / group_units, in_group = unit % group_units;
-                const uint32_t first_m = group * kGroupM;
-                const uint32_t rows = min(kGroupM, num_m_blocks - first_m);
-                tile.m_block = first_m + in_group % rows;
-                n_unit = in_group / rows;
-                const uint32_t row = tile.m_block * BLOCK_M;
-                tile.expert = owning_expert(starts, ends, num_experts, row);
-                if (tile.expert >= num_experts)
-                    continue;
+                const uint32_t first_u = group * kGroupUnits;
+                const uint32_t rows = min(kGroupUnits, num_m_units - first_u);
+                const uint32_t m_unit = first_u + in_group % rows;
+                tile.n_block = in_group / rows;
+                if constexpr (kClusterSize == 1) {
+                    tile.m_block = m_unit;
+                    tile.expert = owning_expert(starts, ends, num_experts, tile.m_block * BLOCK_M);
+                    if (tile.expert >= num_experts)
+                        continue;
+                } else {
+                    const uint32_t m0 = m_unit * 2, m1 = m0 + 1;
+                    const uint32_t e0 = owning_expert(starts, ends, num_experts, m0 * BLOCK_M);
+                    const uint32_t e1 =
+                        m1 < num_m_blocks ? owning_expert(starts, ends, num_experts, m1 * BLOCK_M) : num_experts;
+                    if (e0 >= num_experts && e1 >= num_experts)
+                        continue;
+                    const uint32_t mine = cta_rank == 0 ? e0 : e1;
+                    if (mine < num_experts) {
+                        tile.m_block = m0 + cta_rank;
+                        tile.expert = mine;
+                    } else {  // the partner's tile, not stored
+                        tile.m_block = m0 + (cta_rank ^ 1);
+                        tile.expert = cta_rank == 0 ? e1 : e0;
+                        tile.store = false;
+                    }
+                    tile.multicast = e0 == e1;
+                }
                 tile.num_k_blocks = num_k_blocks;
                 tile.k_row = 0;
             } else {
-                const uint32_t per_expert = num_m_blocks * num_n_units;
+                const uint32_t per_expert = num_m_units * num_n_blocks;
                 tile.expert = unit / per_expert;
                 const uint32_t in_expert = unit % per_expert;
-                tile.m_block = in_expert / num_n_units;
-                n_unit = in_expert % num_n_units;
+                const uint32_t m_unit = in_expert / num_n_blocks;
+                tile.n_block = in_expert % num_n_blocks;
+                tile.m_block = m_unit * kUnitM + cta_rank;
+                if constexpr (kClusterSize > 1) {
+                    tile.multicast = m_unit * kUnitM + 1 < num_m_blocks;
+                    if (tile.m_block >= num_m_blocks) {  // the partner's tile, not stored
+                        tile.m_block = m_unit * kUnitM;
+                        tile.store = false;
+                    }
+                }
                 const uint32_t begin = static_cast<uint32_t>(__ldg(starts + tile.expert));
                 const uint32_t end = static_cast<uint32_t>(__ldg(ends + tile.expert));
                 tile.k_row = begin;
@@ -110,7 +156,6 @@ struct GroupedScheduler {
                 else
                     tile.num_k_blocks = (end - begin) / BLOCK_K;
             }
-            tile.n_block = n_unit * kClusterN + cta_rank;
             return true;
         }
         return false;
