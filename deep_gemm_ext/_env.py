@@ -142,6 +142,21 @@ def check_ids() -> bool | None:
     return _flag("DGE_CHECK_IDS")
 
 
+def ep_timeout_s() -> float:
+    """DGE_EP_TIMEOUT_S: seconds a wait of the symmetric-memory exchange spins on a peer's flag
+    before it prints which rank waited on which flag of which peer and traps (default 60)."""
+    raw = os.environ.get("DGE_EP_TIMEOUT_S", "").strip()
+    if not raw:
+        return 60.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < 1e9):
+        raise ValueError(f"DGE_EP_TIMEOUT_S={os.environ['DGE_EP_TIMEOUT_S']!r}: expected a positive number of seconds")
+    return value
+
+
 def commit_label() -> str | None:
     """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
     return os.environ.get("DGE_COMMIT") or None
