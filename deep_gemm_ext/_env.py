@@ -157,6 +157,14 @@ def ep_timeout_s() -> float:
     return value
 
 
+def cuda_device_max_connections() -> int:
+    """CUDA_DEVICE_MAX_CONNECTIONS (the CUDA driver's, read when the context is created; default 8):
+    hardware queues the device's streams share. Ranks emulated on one GPU need one per rank and
+    more, or one rank's waiting kernel can hold back another rank's launches in a shared queue."""
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    return int(raw) if raw.isdigit() else 8
+
+
 def commit_label() -> str | None:
     """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
     return os.environ.get("DGE_COMMIT") or None

@@ -11,13 +11,18 @@ The W regions live in one allocation and share one peer pointer table; buffer r 
 Each rank runs on its own host thread and CUDA stream; the ranks' transport kernels meet through
 the regions' flags on the device (their grids are capped so that all of them are resident at once).
 The layer code is the ordinary one: nothing but the exchange knows the ranks share a GPU.
+Streams share the device's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default): set it
+to at least 2 W before CUDA starts, so that no rank's waiting kernel sits in front of another's.
 """
 from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 
 import torch
+
+from .. import _env
 
 _NAMES = itertools.count()
 
@@ -85,6 +90,11 @@ def run_emulated_ranks(fn, world_size: int) -> list:
     device before returning."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive int")
+    if world_size + 1 > _env.cuda_device_max_connections():
+        warnings.warn(f"run_emulated_ranks({world_size}): CUDA_DEVICE_MAX_CONNECTIONS="
+                      f"{_env.cuda_device_max_connections()} hardware queues for {world_size} ranks' streams; set it "
+                      f"to at least {2 * world_size} before CUDA starts, or a waiting rank may hold back another's "
+                      f"kernels", RuntimeWarning, stacklevel=2)
     device = torch.cuda.current_device()
     origin = torch.cuda.current_stream(device)
     streams = [torch.cuda.Stream(device) for _ in range(world_size)]
