@@ -75,8 +75,8 @@ def exchange(spec: str):
         if len(parts) == 4 and parts[3] in ("x", "fp8") and all(p.isdigit() for p in parts[:3]):
             buffer_id, num_local, capacity, rows = parts
             return exchange_from_spec(int(buffer_id), int(num_local), int(capacity), rows == "fp8")
-    raise ValueError(f"exchange {spec!r}: expected 'local', 'all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>' or "
-                     f"'symmetric:<buffer id>:<E_loc>:<capacity>:<x|fp8>'")
+    raise ValueError(f"exchange {spec!r}: expected 'local' or 'all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>' "
+                     f"or 'symmetric:<buffer id>:<E_loc>:<capacity>:<x|fp8>'")
 
 
 __all__ = ["LocalExchange", "exchange"]

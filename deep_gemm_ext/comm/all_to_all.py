@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..recipes.fp8 import FP8_DTYPE, dequantize_rows, num_blocks, quantize_rows
+from .emulated import EmulatedGroup
 
 # Shapes and dtypes every rank must agree on before the first exchange (equal-split all-to-all
 # would otherwise mis-slice rows or hang). Dtypes travel as their index here.
@@ -55,9 +56,11 @@ def resolve_group(group):
     """The ``ProcessGroup`` behind ``group``: a ProcessGroup, or a 1-D DeviceMesh (its only
     dimension's group); an emulated rank's group (comm.emulated) as it is. ``None`` stays ``None``
     (all experts local)."""
-    from .emulated import EmulatedGroup
-
-    if group is None or isinstance(group, (dist.ProcessGroup, EmulatedGroup)):
+    # Two isinstance checks: under torch.compile a ProcessGroup is a script object that dynamo
+    # matches against ProcessGroup alone, not inside a tuple of types.
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, EmulatedGroup):
         return group
     from torch.distributed.device_mesh import DeviceMesh
 
