@@ -1,6 +1,7 @@
 """deep_gemm_ext: trainable Mega MoE layers (forward + backward) for NVIDIA GPUs."""
 from .api import mega_moe_train
 from .comm.all_to_all import EpBuffer, ep_memory_bytes
+from .comm.symmetric import SymmetricEpBuffer, symmetric_ep_memory_bytes
 from .integrations import MegaGroupedExperts, register_transformers
 from .module import MegaMoE
 from .reference import reference_forward
@@ -14,6 +15,8 @@ __all__ = [
     "MegaMoE",
     "EpBuffer",
     "ep_memory_bytes",
+    "SymmetricEpBuffer",
+    "symmetric_ep_memory_bytes",
     "register_transformers",
     "MegaGroupedExperts",
     "reference_forward",

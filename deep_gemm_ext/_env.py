@@ -142,6 +142,29 @@ def check_ids() -> bool | None:
     return _flag("DGE_CHECK_IDS")
 
 
+def ep_timeout_s() -> float:
+    """DGE_EP_TIMEOUT_S: seconds a wait of the symmetric-memory exchange spins on a peer's flag
+    before it prints which rank waited on which flag of which peer and traps (default 60)."""
+    raw = os.environ.get("DGE_EP_TIMEOUT_S", "").strip()
+    if not raw:
+        return 60.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < 1e9):
+        raise ValueError(f"DGE_EP_TIMEOUT_S={os.environ['DGE_EP_TIMEOUT_S']!r}: expected a positive number of seconds")
+    return value
+
+
+def cuda_device_max_connections() -> int:
+    """CUDA_DEVICE_MAX_CONNECTIONS (the CUDA driver's, read when the context is created; default 8):
+    hardware queues the device's streams share. Ranks emulated on one GPU need one per rank and
+    more, or one rank's waiting kernel can hold back another rank's launches in a shared queue."""
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    return int(raw) if raw.isdigit() else 8
+
+
 def commit_label() -> str | None:
     """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
     return os.environ.get("DGE_COMMIT") or None

@@ -58,8 +58,9 @@ class Plan:
                       one, the CPU reference path), "deep_gemm" (upstream's kernels)
     recipe            "bf16" or "fp8"
     exchange          token exchange between ranks: "local" (all experts on this rank) or
-                      "all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>" (deep_gemm_ext.comm; "fp8": x's
-                      rows travel in e4m3 with 1x128 scales, under recipe="fp8")
+                      "all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>" or
+                      "symmetric:<buffer id>:<E_loc>:<capacity>:<x|fp8>" (deep_gemm_ext.comm; "fp8":
+                      x's rows travel in e4m3 with 1x128 scales, under recipe="fp8")
     align             rows per expert group of the pool
     compute_dtype     dtype of the pool, h and the GEMMs
     jit_routing       routing metadata from the JIT kernel (else torch ops)
@@ -145,7 +146,8 @@ class Plan:
         if fusions:
             parts.append(", ".join(fusions))
         if self.exchange != "local":
-            parts.append("tokens exchanged by all-to-all" + (" (fp8 rows)" if self.exchange.endswith(":fp8") else ""))
+            how = "symmetric memory" if self.exchange.startswith("symmetric:") else "all-to-all"
+            parts.append(f"tokens exchanged by {how}" + (" (fp8 rows)" if self.exchange.endswith(":fp8") else ""))
         return "; ".join(parts)
 
 
@@ -235,6 +237,7 @@ def resolve_exchange(x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.
     H anyway, and quantizing at the source is that same quantization point (comm.all_to_all)."""
     if group is None or group.size() == 1:
         return "local"
+    # The transport follows the buffer: EpBuffer -> all_to_all, SymmetricEpBuffer -> symmetric.
     if ep_buffer is None:
         ep_buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
     return ep_buffer.exchange_spec(l1_weights.shape[0], fp8_rows=recipe == "fp8")

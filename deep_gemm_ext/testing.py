@@ -115,3 +115,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = ref.norm().item()
     num = (out - ref).norm().item()
     return num / denom if denom > 0 else num
+
+
+# Expert parallelism with W ranks emulated on one GPU (the symmetric-memory exchange's test harness).
+from .comm.emulated import EmulatedGroup, emulated_ep_buffers, run_emulated_ranks  # noqa: E402,F401

@@ -7,6 +7,8 @@ import torch
 
 from . import plan
 from .comm.all_to_all import EpBuffer, resolve_group
+from .comm.emulated import EmulatedGroup
+from .comm.symmetric import SymmetricEpBuffer
 from .plan import unsupported_shape_reason
 
 __all__ = ["MoEShape", "check_alignment", "check_expert_ids", "unsupported_shape_reason", "validate_inputs"]
@@ -62,13 +64,17 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
             raise ValueError(f"activation_clamp={activation_clamp} must be a finite positive number or None")
     group = resolve_group(group)
     if ep_buffer is not None:
-        if not isinstance(ep_buffer, EpBuffer):
-            raise TypeError(f"ep_buffer must be a deep_gemm_ext.EpBuffer or None, got {type(ep_buffer).__name__}")
+        if not isinstance(ep_buffer, (EpBuffer, SymmetricEpBuffer)):
+            raise TypeError(f"ep_buffer must be a deep_gemm_ext.EpBuffer, a deep_gemm_ext.SymmetricEpBuffer or None, "
+                            f"got {type(ep_buffer).__name__}")
         if group is None:
             raise ValueError("ep_buffer is given but group is None; pass the group the buffer was made for")
         if ep_buffer.group is not group:
             raise ValueError(f"ep_buffer was made for group {ep_buffer.group_name!r} but group is "
                              f"{group.group_name!r}; expected the same group")
+    elif isinstance(group, EmulatedGroup):
+        raise ValueError(f"group is an emulated rank's group ({group!r}) but ep_buffer is None; pass the "
+                         f"SymmetricEpBuffer of that rank (comm.emulated.emulated_ep_buffers)")
 
     _check_dim("x", x, 2, "[num_tokens, hidden]")
     _check_dim("topk_idx", topk_idx, 2, "[num_tokens, top_k]")
@@ -129,7 +135,7 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
                                 ("dtype", ep_buffer.dtype, x.dtype)):
             if want != got:
                 raise ValueError(f"ep_buffer has {name}={want} but the inputs have {name}={got}; expected an "
-                                 f"EpBuffer made for these shapes")
+                                 f"{type(ep_buffer).__name__} made for these shapes")
 
     reason = plan.shape_reason_for_backend(backend, recipe, device, hidden, intermediate)
     if reason is not None:

@@ -388,7 +388,7 @@ def api_bad_inputs(rank, world, device, seed):
     with pytest.raises(ValueError, match=rf"rank {rank} passes 6 tokens but the exchange's capacity is "
                                          rf"max_tokens_per_rank=4"):
         call(ep_buffer=EpBuffer(group, 4, H, K, torch.float32))
-    with pytest.raises(TypeError, match="ep_buffer must be a deep_gemm_ext.EpBuffer or None, got int"):
+    with pytest.raises(TypeError, match="ep_buffer must be a deep_gemm_ext.EpBuffer, a deep_gemm_ext.SymmetricEpBuffer or None, got int"):
         call(ep_buffer=8)
     with pytest.raises(ValueError, match="ep_buffer is given but group is None; pass the group the buffer was made for"):
         call(group=None, ep_buffer=EpBuffer(group, 8, H, K, torch.float32))

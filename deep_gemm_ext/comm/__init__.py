@@ -15,6 +15,10 @@ A plan names its exchange by a string (:func:`exchange`):
 - ``"all_to_all:<group name>:<E_loc>:<max_tokens_per_rank>:<rows>"``: expert parallelism over a
   torch.distributed group (:mod:`deep_gemm_ext.comm.all_to_all`); dispatch sends x's rows in x's
   dtype (``rows`` "x") or in the fp8 recipe's e4m3 with 1x128 scales ("fp8").
+- ``"symmetric:<buffer id>:<E_loc>:<max_tokens_per_rank>:<rows>"``: expert parallelism over NVLink
+  symmetric memory, moved by our CUDA kernels (:mod:`deep_gemm_ext.comm.symmetric`); the buffer
+  (a live SymmetricEpBuffer, by id) names the group; the same received layout and the same bits
+  as the all-to-all.
 
 Besides the four pieces an exchange tells the layer the sizes it produces (for the custom ops'
 fake implementations): ``received_rows(T)``, ``handle_like(x, topk_idx)`` and
@@ -25,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .all_to_all import exchange_from_name
+from .symmetric import exchange_from_spec
 
 
 class LocalExchange:
@@ -65,7 +70,13 @@ def exchange(spec: str):
         if len(parts) == 4 and parts[3] in ("x", "fp8"):
             group_name, num_local, capacity, rows = parts
             return exchange_from_name(group_name, int(num_local), int(capacity), rows == "fp8")
-    raise ValueError(f"exchange {spec!r}: expected 'local' or 'all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>'")
+    if kind == "symmetric":
+        parts = args.split(":")
+        if len(parts) == 4 and parts[3] in ("x", "fp8") and all(p.isdigit() for p in parts[:3]):
+            buffer_id, num_local, capacity, rows = parts
+            return exchange_from_spec(int(buffer_id), int(num_local), int(capacity), rows == "fp8")
+    raise ValueError(f"exchange {spec!r}: expected 'local' or 'all_to_all:<group>:<E_loc>:<capacity>:<x|fp8>' "
+                     f"or 'symmetric:<buffer id>:<E_loc>:<capacity>:<x|fp8>'")
 
 
 __all__ = ["LocalExchange", "exchange"]

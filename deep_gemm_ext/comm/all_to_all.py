@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..recipes.fp8 import FP8_DTYPE, dequantize_rows, num_blocks, quantize_rows
+from .emulated import EmulatedGroup
 
 # Shapes and dtypes every rank must agree on before the first exchange (equal-split all-to-all
 # would otherwise mis-slice rows or hang). Dtypes travel as their index here.
@@ -53,8 +54,13 @@ _AGREED: dict[tuple, dist.ProcessGroup] = {}
 
 def resolve_group(group):
     """The ``ProcessGroup`` behind ``group``: a ProcessGroup, or a 1-D DeviceMesh (its only
-    dimension's group). ``None`` stays ``None`` (all experts local)."""
+    dimension's group); an emulated rank's group (comm.emulated) as it is. ``None`` stays ``None``
+    (all experts local)."""
+    # Two isinstance checks: under torch.compile a ProcessGroup is a script object that dynamo
+    # matches against ProcessGroup alone, not inside a tuple of types.
     if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, EmulatedGroup):
         return group
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -86,6 +92,23 @@ def ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_
     if fp8_rows:
         return rows * (2 * (fp8_row_bytes(hidden) + route_bytes) + hidden * dtype.itemsize)
     return 2 * rows * (hidden * dtype.itemsize + route_bytes)
+
+
+def fp8_rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as dispatch sends them under ``fp8_rows``: uint8 ``[T, fp8_row_bytes(H)]``, the
+    recipe's 1x128 e4m3 data then the fp32 scales' bytes."""
+    data, scale = quantize_rows(x)
+    return torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def received_rows_of(rows: torch.Tensor, hidden: int, dtype: torch.dtype, fp8_rows: bool) -> torch.Tensor:
+    """x_r from the rows that arrived: under ``fp8_rows`` (uint8 rows of :func:`fp8_rows_of`)
+    dequantized into ``dtype`` (unsent rows, all zero bytes, give zeros); else the rows themselves."""
+    if not fp8_rows:
+        return rows
+    data = rows[:, :hidden].contiguous().view(FP8_DTYPE)
+    scale = rows[:, hidden:].contiguous().view(torch.float32)
+    return dequantize_rows(data, scale).to(dtype)
 
 
 class EpBuffer:
@@ -301,18 +324,10 @@ class AllToAllExchange:
     def send_rows(self, x: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
         """What dispatch sends of x ``[R, ...]`` (``sent [W, T]``: which ranks each token goes to):
         x's rows, or under ``fp8_rows`` uint8 rows of e4m3 data then the fp32 scales' bytes."""
-        if self.fp8_rows:
-            data, scale = quantize_rows(x)
-            x = torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
-        return self._scatter_to_ranks(x, sent)
+        return self._scatter_to_ranks(fp8_rows_of(x) if self.fp8_rows else x, sent)
 
     def _received_rows(self, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """x_r from what arrived: under ``fp8_rows`` dequantized (unsent rows, all zero bytes, give zeros)."""
-        if not self.fp8_rows:
-            return rows
-        data = rows[:, :hidden].contiguous().view(FP8_DTYPE)
-        scale = rows[:, hidden:].contiguous().view(torch.float32)
-        return dequantize_rows(data, scale).to(dtype)
+        return received_rows_of(rows, hidden, dtype, self.fp8_rows)
 
     def _all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
         # Equal splits: block d of the input goes to rank d, block s of the output came from rank s.

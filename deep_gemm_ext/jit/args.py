@@ -21,9 +21,17 @@ _POINTER_DTYPES = {
     "const __nv_bfloat16*": torch.bfloat16, "__nv_bfloat16*": torch.bfloat16,
     # e4m3 data, written by the kernels as raw bytes (no cuda_fp8.h needed).
     "unsigned char*": torch.float8_e4m3fn,
+    "__half*": torch.float16, "double*": torch.float64,
+    "const long long*": torch.int64,
+    # Byte masks (a bool tensor viewed as uint8).
+    "const unsigned char*": torch.uint8,
+    # Raw bytes of any dtype (rows copied as 16-byte vectors, weights as their bits).
+    "const void*": None, "void*": None,
 }
 # "unsigned int" is uint32_t for sources that include no <cstdint> (NVRTC ships no C++ library).
-_SCALARS = {"uint32_t": ctypes.c_uint32, "unsigned int": ctypes.c_uint32, "float": ctypes.c_float}
+_SCALARS = {"uint32_t": ctypes.c_uint32, "unsigned int": ctypes.c_uint32, "float": ctypes.c_float,
+            "int": ctypes.c_int32, "unsigned long long": ctypes.c_uint64}
+_INT_RANGES = {ctypes.c_uint32: (0, 2 ** 32), ctypes.c_int32: (-2 ** 31, 2 ** 31), ctypes.c_uint64: (0, 2 ** 64)}
 CTYPES = (*_POINTER_DTYPES, *_SCALARS, "CUtensorMap")
 
 
@@ -53,18 +61,23 @@ def _pack_one(kernel: str, arg: KernelArg, value):
         if value is None and arg.nullable:
             return ctypes.c_uint64(0)
         dtype = _POINTER_DTYPES[arg.ctype]
+        if dtype is None and isinstance(value, torch.Tensor):
+            return value
         if not isinstance(value, torch.Tensor) or value.dtype != dtype:
             got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"{where}: expected a {dtype} tensor{' or None' if arg.nullable else ''}, got {got}")
+            want = "tensor" if dtype is None else f"{dtype} tensor"
+            raise TypeError(f"{where}: expected a {want}{' or None' if arg.nullable else ''}, got {got}")
         return value
     if arg.ctype == "CUtensorMap":
         if not isinstance(value, TensorMap):
             raise TypeError(f"{where}: expected a jit.TensorMap, got {type(value).__name__}")
         return value
-    if _SCALARS.get(arg.ctype) is ctypes.c_uint32:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 32:
-            raise TypeError(f"{where}: expected an int in [0, 2**32), got {value!r}")
-        return ctypes.c_uint32(value)
+    kind = _SCALARS.get(arg.ctype)
+    if kind in _INT_RANGES:
+        low, high = _INT_RANGES[kind]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+            raise TypeError(f"{where}: expected an int in [{low}, {high}), got {value!r}")
+        return kind(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected a float, got {value!r}")
     return ctypes.c_float(value)

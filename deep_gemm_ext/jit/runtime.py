@@ -207,9 +207,12 @@ class Kernel:
         if self._function is None:
             self._load()
         device = torch._C._cuda_getDevice()
-        plan = self._plans.get((grid, block, smem, cluster, pdl, device))
+        # Per thread: a launch writes its stream into the plan's config, so host threads launching
+        # on their own streams at once (emulated ranks) must not share one.
+        key = (grid, block, smem, cluster, pdl, device, threading.get_ident())
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan((grid, block, smem, cluster, pdl, device), grid, block, smem, cluster, pdl, device)
+            plan = self._plan(key, grid, block, smem, cluster, pdl, device)
 
         buffer = getattr(self._buffers, "current", None)
         if buffer is None or buffer.nargs != len(args):

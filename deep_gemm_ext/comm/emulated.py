@@ -1,0 +1,128 @@
+"""W expert-parallel ranks on one GPU, for testing the symmetric-memory exchange without W GPUs.
+
+    buffers = emulated_ep_buffers(4, max_tokens_per_rank, hidden, top_k, torch.bfloat16, "cuda")
+    def rank_step(r):
+        y = mega_moe_train(x[r], idx[r], w[r], l1[r], l2[r], group=buffers[r].group, ep_buffer=buffers[r])
+        y.backward(dy[r])
+        return y
+    ys = run_emulated_ranks(rank_step, 4)
+
+The W regions live in one allocation and share one peer pointer table; buffer r is rank r's.
+Each rank runs on its own host thread and CUDA stream; the ranks' transport kernels meet through
+the regions' flags on the device (their grids are capped so that all of them are resident at once).
+The layer code is the ordinary one: nothing but the exchange knows the ranks share a GPU.
+Streams share the device's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default): set it
+to at least 2 W before CUDA starts, so that no rank's waiting kernel sits in front of another's.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+
+import torch
+
+from .. import _env
+
+_NAMES = itertools.count()
+
+
+class EmulatedGroup:
+    """The ``group`` of one emulated rank: ``rank()``, ``size()`` and ``group_name`` like a
+    ProcessGroup's (the layer asks for nothing else); ``world`` is what its ranks share."""
+
+    def __init__(self, world: "EmulatedWorld", rank: int):
+        self.world = world
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.world.size
+
+    @property
+    def group_name(self) -> str:
+        return self.world.name
+
+    def __repr__(self) -> str:
+        return f"EmulatedGroup(rank={self._rank}, size={self.world.size}, name={self.world.name!r})"
+
+
+class EmulatedWorld:
+    """What the W emulated ranks share: a name, and the host-side stand-in of an all_gather (a
+    barrier over the ranks' threads) for the agreement check."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.name = f"emulated_ep_{next(_NAMES)}"
+        self._lock = threading.Lock()
+        self._rounds: dict[object, tuple[threading.Barrier, dict[int, tuple]]] = {}
+
+    def all_gather(self, key, rank: int, values: tuple, timeout_s: float) -> list[tuple]:
+        """Every rank's ``values`` for ``key``, once all W ranks have called it (each from its own thread)."""
+        with self._lock:
+            barrier, table = self._rounds.setdefault(key, (threading.Barrier(self.size), {}))
+            table[rank] = values
+        try:
+            barrier.wait(timeout_s)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"emulated rank {rank}: not every rank of {self.name} (size {self.size}) reached the "
+                               f"agreement check within {timeout_s:g} s; every rank must call the layer") from None
+        return [table[r] for r in range(self.size)]
+
+
+def emulated_ep_buffers(world_size: int, max_tokens_per_rank: int, hidden: int, top_k: int,
+                        dtype: torch.dtype = torch.bfloat16, device=None, *, blocks: int | None = None):
+    """One :class:`~deep_gemm_ext.comm.symmetric.SymmetricEpBuffer` per emulated rank: all regions
+    in one allocation (poisoned with 0xFF bytes, flags zeroed), one peer pointer table, buffer r of
+    rank r with ``buffer.group`` its :class:`EmulatedGroup`. ``blocks`` (default
+    ``ceil(num_SMs / (2 * world_size))``) caps every transport launch's grid so that all ranks'
+    transport kernels are resident at once."""
+    from .symmetric import SymmetricEpBuffer
+
+    return SymmetricEpBuffer._emulated(world_size, max_tokens_per_rank, hidden, top_k, dtype, device, blocks)
+
+
+def run_emulated_ranks(fn, world_size: int) -> list:
+    """``[fn(0), ..., fn(W - 1)]``, each call on its own host thread and its own CUDA stream (of
+    the current device); joins them, re-raises the first exception (by rank), and synchronizes the
+    device before returning."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected a positive int")
+    if world_size + 1 > _env.cuda_device_max_connections():
+        warnings.warn(f"run_emulated_ranks({world_size}): CUDA_DEVICE_MAX_CONNECTIONS="
+                      f"{_env.cuda_device_max_connections()} hardware queues for {world_size} ranks' streams; set it "
+                      f"to at least {2 * world_size} before CUDA starts, or a waiting rank may hold back another's "
+                      f"kernels", RuntimeWarning, stacklevel=2)
+    device = torch.cuda.current_device()
+    origin = torch.cuda.current_stream(device)
+    streams = [torch.cuda.Stream(device) for _ in range(world_size)]
+    for stream in streams:
+        stream.wait_stream(origin)
+    results: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def body(rank: int) -> None:
+        try:
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(streams[rank]):
+                results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 -- re-raised on the calling thread
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"emulated-rank-{r}") for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for stream in streams:
+        origin.wait_stream(stream)
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    torch.cuda.synchronize(device)
+    return results
+
+
+__all__ = ["EmulatedGroup", "EmulatedWorld", "emulated_ep_buffers", "run_emulated_ranks"]

@@ -1,0 +1,414 @@
+"""Expert-parallel token exchange over NVLink symmetric memory, moved by our own CUDA kernels.
+
+Same contract and same received layout as the all-to-all exchange (:mod:`.all_to_all`): rank r
+owns the experts ``[r * E_loc, (r + 1) * E_loc)``; dispatch delivers ``R = W * cap`` rows, block s
+holding source rank s's tokens at row t (unsent rows zero, ids -1, weights 0); sums over ranks run
+in rank order in fp32 (fp64 for fp64) and round once. So the layer computes the same bits over
+either exchange.
+
+The transport (kernels/impls/ep_transport.cuh) is pull-based. Every rank owns one region of a
+symmetric allocation (``torch.distributed._symmetric_memory``; :func:`symmetric_ep_memory_bytes`
+bytes a rank): a rows area, an ids and a weights area, a token count and flags. Each piece
+publishes this rank's data into its own region and raises its ``ready`` flag on every peer, then
+pulls from the peers' regions once their flags say their data is there, into fresh local tensors,
+and raises its ``consumed`` flag on every peer (the region is reused by the next piece only once
+every peer has read it). The flags carry epochs counted on the device, so nothing waits on the
+host and the exchange can be captured in a CUDA graph; every rank must call the pieces in the
+same order (the layer does: dispatch, combine forward; combine_backward, dispatch_backward).
+
+Waits are bounded by ``DGE_EP_TIMEOUT_S`` (default 60 s): a rank whose peer never arrives prints
+which flag of which peer it waited on and traps (the CUDA context is lost, as with a device-side
+assertion).
+
+Ranks emulated on one GPU (:mod:`.emulated`) use the same buffers and kernels over W regions of
+one allocation.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _env
+from .all_to_all import _DTYPES, fp8_row_bytes, fp8_rows_of, received_rows_of, resolve_group
+from .emulated import EmulatedGroup, EmulatedWorld
+
+#: Transport CTAs per launch on real ranks: the exchange runs beside the GEMMs of another stream
+#: (communication overlapped with computation), so it leaves most SMs to them; 24 CTAs of 256
+#: threads keep enough 16-byte loads in flight to saturate a GPU's NVLink bandwidth.
+DEFAULT_BLOCKS = 24
+_WEIGHT_BYTES = 8  # the weights area holds fp64 weights (fp32 ones take half)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class RegionLayout(NamedTuple):
+    """Byte layout of one rank's region (rows at offset 0)."""
+    row_pitch: int
+    ids: int
+    weights: int
+    count: int
+    flags: int
+    size: int
+
+
+def region_layout(world_size: int, max_tokens_per_rank: int, hidden: int, top_k: int,
+                  dtype: torch.dtype = torch.bfloat16) -> RegionLayout:
+    """Rows of ``max(hidden * itemsize, fp8_row_bytes(hidden))`` bytes padded to 16, ``R * K``
+    int32 ids, ``R * K`` 8-byte weights, a 16-byte token count and the flags ``ready[W]``,
+    ``consumed[W]``, epoch and a block counter (u64 each), every area 16-byte aligned and the
+    region a multiple of 128 bytes (R = W * max_tokens_per_rank)."""
+    rows = world_size * max_tokens_per_rank
+    pitch = _round_up(max(hidden * dtype.itemsize, fp8_row_bytes(hidden)), 16)
+    ids = rows * pitch
+    weights = ids + _round_up(rows * top_k * 4, 16)
+    count = weights + _round_up(rows * top_k * _WEIGHT_BYTES, 16)
+    flags = count + 16
+    size = _round_up(flags + (2 * world_size + 2) * 8, 128)
+    return RegionLayout(pitch, ids, weights, count, flags, size)
+
+
+def symmetric_ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden: int, top_k: int,
+                              dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one rank's region of a :class:`SymmetricEpBuffer` (held for the buffer's life;
+    each piece also allocates its outputs, as the all-to-all exchange does)."""
+    return region_layout(world_size, max_tokens_per_rank, hidden, top_k, dtype).size
+
+
+_IDS = itertools.count()
+#: Live buffers by id: plans name their buffer by id (a plan is a string).
+_BUFFERS: "weakref.WeakValueDictionary[int, SymmetricEpBuffer]" = weakref.WeakValueDictionary()
+
+
+def _check_sizes(max_tokens_per_rank, hidden, top_k, dtype) -> None:
+    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype={dtype}; expected one of {_DTYPES}")
+    if (hidden * dtype.itemsize) % 16:
+        raise ValueError(f"hidden={hidden}: rows of {hidden * dtype.itemsize} bytes; the symmetric exchange copies "
+                         f"16-byte vectors, so hidden * itemsize must be a multiple of 16")
+
+
+def _init_regions(storage: torch.Tensor, layout: RegionLayout, world: int) -> None:
+    """0xFF bytes everywhere (NaN in every float dtype, -1 ids), flags zero."""
+    storage.fill_(0xFF)
+    regions = storage.view(-1, layout.size)
+    regions[:, layout.flags:].zero_()
+
+
+class SymmetricEpBuffer:
+    """One rank's region of the symmetric exchange's allocation, for one shape class: create it
+    once on every rank of ``group`` (a collective: the regions are exchanged by rendezvous), pass it
+    as ``ep_buffer`` on every call of the layer with that group. ``max_tokens_per_rank`` caps the
+    tokens any rank passes; :meth:`memory_bytes` is the region's size.
+
+    ``blocks``: CTAs of every transport launch (default :data:`DEFAULT_BLOCKS`; emulated ranks:
+    ``ceil(num_SMs / (2 W))``)."""
+
+    def __init__(self, group, max_tokens_per_rank: int, hidden: int, top_k: int,
+                 dtype: torch.dtype = torch.bfloat16, *, blocks: int | None = None):
+        group = resolve_group(group)
+        if group is None:
+            raise TypeError("group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None")
+        if isinstance(group, EmulatedGroup):
+            raise TypeError("an emulated group's buffers come from deep_gemm_ext.comm.emulated.emulated_ep_buffers")
+        _check_sizes(max_tokens_per_rank, hidden, top_k, dtype)
+        if not torch.cuda.is_available():
+            raise RuntimeError("SymmetricEpBuffer needs a CUDA device (symmetric memory)")
+        from torch.distributed import _symmetric_memory as symm
+
+        world = group.size()
+        layout = region_layout(world, max_tokens_per_rank, hidden, top_k, dtype)
+        device = torch.device("cuda", torch.cuda.current_device())
+        storage = symm.empty(layout.size, dtype=torch.uint8, device=device)
+        _init_regions(storage, layout, world)
+        handle = symm.rendezvous(storage, group.group_name)
+        torch.cuda.synchronize(device)
+        handle.barrier()  # every region is initialized before any peer raises a flag in it
+        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self._setup(group, group.rank(), max_tokens_per_rank, hidden, top_k, dtype, layout, storage, peers,
+                    DEFAULT_BLOCKS if blocks is None else blocks)
+        self._handle = handle
+
+    @classmethod
+    def _emulated(cls, world_size, max_tokens_per_rank, hidden, top_k, dtype, device, blocks):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r}: expected a positive int")
+        _check_sizes(max_tokens_per_rank, hidden, top_k, dtype)
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda":
+            raise ValueError(f"device={device}: emulated ranks run on one CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        layout = region_layout(world_size, max_tokens_per_rank, hidden, top_k, dtype)
+        storage = torch.empty(world_size * layout.size, dtype=torch.uint8, device=device)
+        _init_regions(storage, layout, world_size)
+        base = storage.data_ptr()
+        peers = torch.tensor([base + r * layout.size for r in range(world_size)], dtype=torch.int64, device=device)
+        if blocks is None:
+            from .. import jit
+
+            blocks = -(-jit.num_sms(device) // (2 * world_size))
+        world = EmulatedWorld(world_size)
+        buffers = []
+        for rank in range(world_size):
+            buffer = cls.__new__(cls)
+            buffer._setup(EmulatedGroup(world, rank), rank, max_tokens_per_rank, hidden, top_k, dtype, layout,
+                          storage, peers, blocks)
+            buffer._handle = None
+            buffers.append(buffer)
+        return buffers
+
+    def _setup(self, group, rank, max_tokens_per_rank, hidden, top_k, dtype, layout, storage, peers, blocks):
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+            raise ValueError(f"blocks={blocks!r}: expected a positive int (CTAs per transport launch)")
+        self.group = group
+        self.rank = rank
+        self.world_size = group.size()
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.hidden = hidden
+        self.top_k = top_k
+        self.dtype = dtype
+        self.layout = layout
+        self.blocks = blocks
+        self._storage = storage  # every region (emulated) or this rank's (symmetric memory)
+        self.peers = peers
+        self.agreed: set = set()
+        self.agree_round = 0
+        self.id = next(_IDS)
+        _BUFFERS[self.id] = self
+
+    @property
+    def emulated(self) -> bool:
+        return isinstance(self.group, EmulatedGroup)
+
+    @property
+    def group_name(self) -> str:
+        return self.group.group_name
+
+    def exchange_spec(self, num_local_experts: int, fp8_rows: bool = False) -> str:
+        """How a plan names the exchange over this buffer (``symmetric:<id>:<E_loc>:<cap>:<x|fp8>``)."""
+        return f"symmetric:{self.id}:{num_local_experts}:{self.max_tokens_per_rank}:{'fp8' if fp8_rows else 'x'}"
+
+    def exchange(self, num_local_experts: int, fp8_rows: bool = False) -> "SymmetricExchange":
+        """The four exchange pieces over this buffer for ``num_local_experts`` experts a rank."""
+        key = (int(num_local_experts), bool(fp8_rows))
+        cache = self.__dict__.setdefault("_exchanges", {})
+        if key not in cache:
+            cache[key] = SymmetricExchange(self, *key)
+        return cache[key]
+
+    def memory_bytes(self, fp8_rows: bool = False) -> int:
+        """Bytes of this rank's region (:func:`symmetric_ep_memory_bytes`); the same with fp8 rows."""
+        return self.layout.size
+
+    def transport(self):
+        from ..jit_kernels.ep_transport import Transport
+
+        timeout_ns = int(_env.ep_timeout_s() * 1e9)
+        return Transport(self.peers, (self.layout.ids, self.layout.weights, self.layout.count, self.layout.flags),
+                         self.rank, self.layout.row_pitch, self.blocks, timeout_ns)
+
+    def __repr__(self) -> str:
+        return (f"SymmetricEpBuffer(group={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"max_tokens_per_rank={self.max_tokens_per_rank}, hidden={self.hidden}, top_k={self.top_k}, "
+                f"dtype={self.dtype}, blocks={self.blocks}, region_bytes={self.layout.size})")
+
+
+def buffer_by_id(buffer_id: int) -> SymmetricEpBuffer:
+    buffer = _BUFFERS.get(buffer_id)
+    if buffer is None:
+        raise ValueError(f"symmetric exchange buffer {buffer_id} does not exist (any more); keep the "
+                         f"SymmetricEpBuffer alive while the layer uses it")
+    return buffer
+
+
+def exchange_from_spec(buffer_id: int, num_local_experts: int, max_tokens_per_rank: int,
+                       fp8_rows: bool = False) -> "SymmetricExchange":
+    buffer = buffer_by_id(buffer_id)
+    if buffer.max_tokens_per_rank != max_tokens_per_rank:
+        raise ValueError(f"symmetric exchange buffer {buffer_id} has max_tokens_per_rank="
+                         f"{buffer.max_tokens_per_rank}, the plan names {max_tokens_per_rank}")
+    return buffer.exchange(num_local_experts, fp8_rows)
+
+
+def _accumulate_check(dtype):
+    from ..jit_kernels.ep_transport import SUM_DTYPES
+
+    if dtype not in SUM_DTYPES:
+        raise TypeError(f"dtype {dtype}: the symmetric exchange sums {list(SUM_DTYPES)}")
+
+
+class SymmetricExchange:
+    """The four exchange pieces over a :class:`SymmetricEpBuffer` (see the module docstring)."""
+
+    def __init__(self, buffer: SymmetricEpBuffer, num_local_experts: int, fp8_rows: bool = False):
+        self.buffer = buffer
+        self.group = buffer.group
+        self.world_size = buffer.world_size
+        self.rank = buffer.rank
+        self.num_local_experts = int(num_local_experts)
+        self.capacity = buffer.max_tokens_per_rank
+        self.fp8_rows = bool(fp8_rows)
+
+    @property
+    def num_rows(self) -> int:
+        return self.world_size * self.capacity
+
+    # -- sizes, for the custom ops' fake implementations ----------------------------------------
+
+    def received_rows(self, num_tokens: int) -> int:
+        return self.num_rows
+
+    def handle_like(self, x: torch.Tensor, topk_idx: torch.Tensor) -> list[torch.Tensor]:
+        """Empty tensors shaped like dispatch's handle: which ranks each token went to ``[W, T]``,
+        the rank owning each slot's expert ``[T, K]`` (-1: none) and which received rows hold a
+        token for this rank ``[R]``."""
+        num_tokens, top_k = topk_idx.shape
+        return [torch.empty(self.world_size, num_tokens, dtype=torch.bool, device=x.device),
+                torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device),
+                torch.empty(self.num_rows, dtype=torch.bool, device=x.device)]
+
+    def num_experts(self, num_local_experts: int) -> int:
+        return self.world_size * num_local_experts
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_agreement(self, hidden: int, top_k: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+                         device: torch.device) -> None:
+        """Once per buffer and (E_loc, row format, shapes): every rank passes the same values. One
+        all_gather and a host sync on a real group, skipped under CUDA graph capture (run one eager
+        step first); emulated ranks compare on the host."""
+        buffer = self.buffer
+        key = (self.num_local_experts, self.fp8_rows, hidden, top_k, dtype, weight_dtype)
+        if key in buffer.agreed:
+            return
+        names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype", "fp8_rows",
+                 "topk_weights dtype")
+        mine = (self.num_local_experts, self.capacity, hidden, top_k, _DTYPES.index(dtype), int(self.fp8_rows),
+                _DTYPES.index(weight_dtype))
+        if buffer.emulated:
+            # The n-th check of every rank meets the n-th of the others (the ranks call alike).
+            buffer.agree_round += 1
+            table = self.group.world.all_gather(("agree", buffer.agree_round), self.rank, mine, _env.ep_timeout_s())
+        else:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            local = torch.tensor(mine, dtype=torch.int64, device=device)
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(gathered, local, group=self.group)
+            table = [tuple(g.tolist()) for g in gathered]
+        for col, name in enumerate(names):
+            values = [row[col] for row in table]
+            if len(set(values)) > 1:
+                if "dtype" in name:
+                    values = [_DTYPES[v] for v in values]
+                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}); every rank "
+                                 f"must pass the same value")
+        buffer.agreed.add(key)
+
+    def _check_rows(self, label: str, t: torch.Tensor, rows: int) -> torch.Tensor:
+        if not t.is_cuda or t.device != self.buffer.peers.device:
+            raise ValueError(f"{label} is on {t.device}; the symmetric exchange's buffer is on {self.buffer.peers.device}")
+        if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != self.buffer.hidden:
+            raise ValueError(f"{label} has shape {tuple(t.shape)}; expected ({rows}, {self.buffer.hidden})")
+        _accumulate_check(t.dtype)
+        if t.dtype.itemsize > self.buffer.dtype.itemsize:
+            raise ValueError(f"{label} has dtype {t.dtype}; the buffer's rows hold {self.buffer.dtype}")
+        t = t.contiguous()
+        return t if t.data_ptr() % 16 == 0 else t.clone()
+
+    # -- the four pieces -----------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """``(x_r [R, H], idx_r [R, K] int32, w_r [R, K], handle)``, as AllToAllExchange.dispatch."""
+        from ..jit_kernels import ep_transport
+
+        num_tokens, hidden = x.shape
+        top_k = topk_idx.shape[1]
+        world, cap, num_local = self.world_size, self.capacity, self.num_local_experts
+        if num_tokens > cap:
+            raise ValueError(f"rank {self.rank} passes {num_tokens} tokens but the exchange's capacity is "
+                             f"max_tokens_per_rank={cap}; create the SymmetricEpBuffer with max_tokens_per_rank >= "
+                             f"{num_tokens}")
+        if top_k != self.buffer.top_k:
+            raise ValueError(f"topk_idx has top_k={top_k}; the SymmetricEpBuffer was made for top_k={self.buffer.top_k}")
+        if topk_weights.dtype not in ep_transport.WEIGHT_BYTES:
+            raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected one of "
+                            f"{list(ep_transport.WEIGHT_BYTES)}")
+        x = self._check_rows("x", x, num_tokens)
+        self._check_agreement(hidden, top_k, x.dtype, topk_weights.dtype, x.device)
+
+        ids = topk_idx.long()
+        dest = torch.arange(world, device=x.device).view(world, 1, 1)
+        valid = (ids >= 0) & (ids < world * num_local)
+        slot_rank = torch.where(valid, ids.div(num_local, rounding_mode="floor"), -1)       # [T, K]
+        sent = (slot_rank.unsqueeze(0) == dest).any(-1)                                     # [W, T]
+
+        if self.fp8_rows:
+            rows = fp8_rows_of(x)
+            row_bytes = _round_up(rows.shape[1], 16)
+            rows = torch.nn.functional.pad(rows, (0, row_bytes - rows.shape[1])).contiguous()
+        else:
+            rows, row_bytes = x, hidden * x.element_size()
+        transport = self.buffer.transport()
+        # Ids out of int32's range are outside [-1, W * E_loc) anyway: clamped, they stay another rank's.
+        ids32 = ids.clamp(-1, world * num_local).to(torch.int32).contiguous()
+        ep_transport.publish(transport, rows, ids=ids32, weights=topk_weights.contiguous(), num_tokens=num_tokens)
+        x_bytes, idx_r, w_r, received = ep_transport.pull_dispatch(transport, cap, top_k, num_local, row_bytes,
+                                                                   topk_weights.dtype)
+        if self.fp8_rows:
+            x_r = received_rows_of(x_bytes[:, :fp8_row_bytes(hidden)], hidden, x.dtype, True)
+        else:
+            x_r = x_bytes.view(x.dtype)
+        return x_r, idx_r, w_r, [sent, slot_rank, received]
+
+    def combine(self, y_r: torch.Tensor, handle: list[torch.Tensor]) -> torch.Tensor:
+        """``y [T, H]``: each token's partial results from the ranks it went to, summed in rank order."""
+        from ..jit_kernels import ep_transport
+
+        sent, _, _ = handle
+        y_r = self._check_rows("y_r", y_r, self.num_rows)
+        transport = self.buffer.transport()
+        ep_transport.publish(transport, y_r)
+        return ep_transport.pull_sum(transport, self.capacity, sent, y_r.shape[1], y_r.dtype)[0]
+
+    def combine_backward(self, dy: torch.Tensor, handle: list[torch.Tensor]) -> torch.Tensor:
+        """``dy_r [R, H]``: ``dy[t]`` on the rows token t was dispatched to, zero elsewhere."""
+        from ..jit_kernels import ep_transport
+
+        sent, _, received = handle
+        dy = self._check_rows("dy", dy, sent.shape[1])
+        transport = self.buffer.transport()
+        ep_transport.publish(transport, dy)
+        return ep_transport.pull_rows(transport, self.capacity, received, dy.shape[1], dy.dtype)
+
+    def dispatch_backward(self, dx_r: torch.Tensor, dw_r: torch.Tensor, handle: list[torch.Tensor]):
+        """``(dx [T, H], d_topk_weights [T, K])``: dx summed over the ranks each token went to in rank
+        order; each slot's weight gradient from the rank that owns its expert (0 for -1 slots)."""
+        from ..jit_kernels import ep_transport
+
+        sent, slot_rank, _ = handle
+        dx_r = self._check_rows("dx_r", dx_r, self.num_rows)
+        if dw_r.dtype not in ep_transport.WEIGHT_BYTES or tuple(dw_r.shape) != (self.num_rows, slot_rank.shape[1]):
+            raise ValueError(f"dw_r: {dw_r.dtype} {tuple(dw_r.shape)}; expected fp32/fp64 "
+                             f"({self.num_rows}, {slot_rank.shape[1]})")
+        transport = self.buffer.transport()
+        ep_transport.publish(transport, dx_r, weights=dw_r.contiguous())
+        return ep_transport.pull_sum(transport, self.capacity, sent, dx_r.shape[1], dx_r.dtype, owner=slot_rank,
+                                     weight_dtype=dw_r.dtype)
+
+
+__all__ = ["DEFAULT_BLOCKS", "RegionLayout", "SymmetricEpBuffer", "SymmetricExchange", "buffer_by_id",
+           "exchange_from_spec", "region_layout", "symmetric_ep_memory_bytes"]
