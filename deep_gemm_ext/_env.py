@@ -124,7 +124,8 @@ def fused_combine() -> bool:
 def fp8_wgrad() -> str | None:
     """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
     operands (``fp8``) or bf16 ones (``bf16``: unquantized operands, twice the bytes). None when
-    unset: the plan then takes bf16 on our SM90 kernels (no fp8 K-grouped kernel) and fp8 elsewhere."""
+    unset: the plan then takes bf16 on our SM90 kernels (their fp8 K-grouped GEMM is opt-in until
+    measured faster) and fp8 elsewhere."""
     if not os.environ.get("DGE_FP8_WGRAD", "").strip():
         return None
     value = os.environ["DGE_FP8_WGRAD"].strip().lower()
