@@ -66,7 +66,9 @@ class Plan:
     jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
     gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async" or "tma");
                       "" builds a pool of x first
-    gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x)
+    gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x; DGE_FUSED_GATHER_BACKWARD,
+                      unset: on only where every backward operand is quantized by a gathering kernel, fp8 weight
+                      gradients on the sm90 provider)
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
@@ -276,6 +278,7 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
     jit = jit_available(device)
     gather_mode = _env.fused_gather()
     gather_x = gather_mode if (gather_mode is not None and gemms.gathers) else ""
+    gather_backward = _env.fused_gather_backward()
     swiglu_epilogues = (_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
                         and gemms.supports(precision, SwigluBackward, facts))
     plan = Plan(
@@ -287,7 +290,8 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         jit_routing=jit,
         jit_elementwise=jit and compute == "bfloat16",
         gather_x=gather_x,
-        gather_backward=bool(gather_x) and _env.fused_gather_backward(),
+        gather_backward=bool(gather_x) and (gather_backward if gather_backward is not None else bool(
+            precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather)),
         combine_epilogue=gemms.supports(precision, ScatterSlots, facts) and _env.fused_combine(),
         swiglu_epilogues=swiglu_epilogues,
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.

@@ -594,8 +594,21 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "bf16", "local")).fp8_dh
     torch_plan = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local"))
     assert (torch_plan.provider, torch_plan.fp8_wgrad, torch_plan.fp8_dh) == ("grouped_mm", "fp8", False)
+    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
+    monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
+    assert not sm90.gather_backward  # bf16 weight gradients: the GEMMs' gathers are slower than pools
     monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
-    assert plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).fp8_wgrad == "fp8"
+    fp8_wgrad = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
+    # fp8 weight gradients on ours: every backward operand is quantized by a gathering kernel.
+    assert (fp8_wgrad.fp8_wgrad, fp8_wgrad.gather_x, fp8_wgrad.gather_backward, fp8_wgrad.fp8_dh) == \
+        ("fp8", "cp_async", True, True)
+    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "0")
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).gather_backward
+    monkeypatch.setenv("DGE_FUSED_GATHER", "0")
+    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD")
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).gather_backward
+    torch_fp8 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local"))
+    assert not torch_fp8.gather_backward
 
 
 def test_recipe_fp8_needs_multiples_of_128():

@@ -92,8 +92,8 @@ _COLS_T = {gather: (f"fp8_quant_cols_t{'_gather' if gather else ''}",
                                 f"({jit.render_types(_COL_T_ARGS)});\n"))
            for gather in (False, True)}
 _SWIGLU_BWD = {clamp: (f"fp8_quant_swiglu_bwd_{'clamp' if clamp else 'plain'}",
-                       _INCLUDE + (f"template __global__ void dge::swiglu_backward_fp8_kernel<{'true' if clamp else 'false'}>"
-                                   f"({jit.render_types(_SWIGLU_BWD_ARGS)});\n"))
+                       _INCLUDE + ("template __global__ void dge::swiglu_backward_fp8_kernel"
+                                   f"<{'true' if clamp else 'false'}>({jit.render_types(_SWIGLU_BWD_ARGS)});\n"))
                for clamp in (False, True)}
 
 

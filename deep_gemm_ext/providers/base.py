@@ -73,6 +73,10 @@ class GemmProvider:
     gathers: bool = False
     #: Under the fp8 recipe the M-grouped GEMM takes an :class:`Fp8Rows` operand.
     takes_fp8_rows: bool = False
+    #: Under the fp8 recipe every operand the provider quantizes itself (the M-grouped GEMMs' rows,
+    #: the fp8 weight gradients' columns) is quantized by a kernel that gathers the token rows, so a
+    #: gathered operand costs no more than a pool.
+    fp8_quantizers_gather: bool = False
 
     def configured(self, *, gemm_schedule: str) -> "GemmProvider":
         """This provider with the plan's launch settings (only the SM90 kernels have any)."""

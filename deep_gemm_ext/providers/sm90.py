@@ -37,6 +37,7 @@ class Sm90Provider(GemmProvider):
     recipes = ("bf16", "fp8")
     gathers = True
     takes_fp8_rows = True
+    fp8_quantizers_gather = True
 
     def __init__(self, schedule: str = "cooperative"):
         self.schedule = schedule

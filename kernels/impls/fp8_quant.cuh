@@ -285,7 +285,8 @@ swiglu_backward_fp8_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloa
             // Vector v is in tile v / 16 of the gate half, tile (vecs_per_row + v) / 16 of the row.
             const int tile = v / kFp8TileLanes;
             quantize_half_warp_tile(dg_bits, ok, data_row + col, scale_row + tile);
-            quantize_half_warp_tile(du_bits, ok, data_row + inter + col, scale_row + vecs_per_row / kFp8TileLanes + tile);
+            quantize_half_warp_tile(du_bits, ok, data_row + inter + col,
+                                    scale_row + vecs_per_row / kFp8TileLanes + tile);
         }
         partial = warp_sum(partial);
         if (lane == 0)
