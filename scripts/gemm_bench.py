@@ -197,8 +197,9 @@ def _wgrad_cases(w):
     x, act = _pool(rows, H, pad), _pool(rows, I, pad)
     dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
     cases = []
+    padded = -(-rows // 16) * 16  # the K-grouped GEMM's P % 16 == 0: the layer's padding of the pool
     for name, (a, b) in (("L1 wgrad", (dh, x)), ("L2 wgrad", (dy, act))):
-        qa, qb = fq.quantize_cols_transposed_fp8(a), fq.quantize_cols_transposed_fp8(b)
+        qa, qb = fq.quantize_cols_transposed_fp8(a, rows=padded), fq.quantize_cols_transposed_fp8(b, rows=padded)
 
         def bf16(a=a, b=b):
             return gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends)
@@ -207,8 +208,8 @@ def _wgrad_cases(w):
             return fg.k_grouped_fp8_gemm_nt_contiguous(*qa, *qb, starts, ends)
 
         def fp8_quantized(a=a, b=b):
-            return fg.k_grouped_fp8_gemm_nt_contiguous(*fq.quantize_cols_transposed_fp8(a),
-                                                       *fq.quantize_cols_transposed_fp8(b), starts, ends)
+            return fg.k_grouped_fp8_gemm_nt_contiguous(*fq.quantize_cols_transposed_fp8(a, rows=padded),
+                                                       *fq.quantize_cols_transposed_fp8(b, rows=padded), starts, ends)
 
         cases.append((name, (a.shape[1], b.shape[1], used), bf16, fp8, fp8_quantized))
     return cases

@@ -467,21 +467,39 @@ def test_quantize_cols_transposed_every_tile_special(prebuilt, kind):
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden", [(0, 8, 2, 256), (1, 4, 2, 200), (300, 16, 4, 2048),
                                                                   (129, 64, 8, 768), (1000, 3, 1, 136)])
 def test_quantize_cols_transposed_gather_matches_pool(prebuilt, kind, num_tokens, num_experts, top_k, hidden):
-    """quantize_cols(gather_rows(x)) of the 128-aligned pool, transposed: padding rows are zeros."""
+    """quantize_cols(gather_rows(x)) of the 128-aligned pool (T*K + E*127 rows), zero-padded to a
+    multiple of 16 rows as the layer's K-grouped GEMM takes it, transposed: padding rows are zeros."""
     seed = num_tokens * 11 + num_experts * 5 + top_k + hidden
     gen = torch.Generator().manual_seed(seed)
     idx = make_routing(num_tokens, num_experts, top_k, kind, generator=gen).to(DEVICE)
     meta = compute_routing_torch(idx, num_experts, 128)
     x = _make_rows(num_tokens, hidden, seed)
     pool = elementwise.gather_rows(x, meta.row_to_slot, top_k)
-    ref = fp8.quantize_cols(pool)
+    rows = -(-pool.shape[0] // 16) * 16
+    ref = fp8.quantize_cols(torch.nn.functional.pad(pool, (0, 0, 0, rows - pool.shape[0])))
     poison_cached_memory(0xFF)
-    got = quantize_cols_transposed_fp8(x, gather=(meta.row_to_slot, top_k))
-    what = f"gather kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} seed={seed}"
+    got = quantize_cols_transposed_fp8(x, gather=(meta.row_to_slot, top_k), rows=rows)
+    what = f"gather kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} P={pool.shape[0]} seed={seed}"
     _assert_transposed_equal(got, ref, what)
     padding = meta.row_to_slot < 0
     if padding.any():
-        assert (got[0][:, padding].view(torch.uint8) == 0).all(), what
+        assert (got[0][:, :pool.shape[0]][:, padding].view(torch.uint8) == 0).all(), what
+    assert (got[0][:, pool.shape[0]:].view(torch.uint8) == 0).all(), what
+
+
+@requires_hopper
+@pytest.mark.parametrize("r,m,rows", [(1, 8, 16), (100, 136, 112), (1018, 768, 1024), (1018, 768, 1152), (0, 64, 32),
+                                      (130, 2048, 144)])
+def test_quantize_cols_transposed_padded_rows(prebuilt, r, m, rows):
+    """rows=R' >= R: x quantized as if zero-padded to R' rows (zero bytes in the padding, the scales
+    of tiles with real rows unchanged, floor scales for tiles of padding only)."""
+    seed = 11000 + r + m + rows
+    x = _make_rows(m, r, seed).t().contiguous()
+    ref = fp8.quantize_cols(torch.nn.functional.pad(x, (0, 0, 0, rows - r)))
+    poison_cached_memory(0xFF)
+    got = quantize_cols_transposed_fp8(x, rows=rows)
+    _assert_transposed_equal(got, ref, f"padded [{r}, {m}] -> {rows} rows seed={seed}")
+    assert (got[0][:, r:].view(torch.uint8) == 0).all()
 
 
 @requires_hopper
@@ -489,6 +507,7 @@ def test_quantize_cols_transposed_gather_out_of_range_tokens_read_zeros(prebuilt
     x = _make_rows(4, 256, 41)
     # top_k 2: tokens 0, 3, 4 (past the end), 50 (past), padding, 1; 10 more padding rows (16 in all)
     row_to_slot = torch.tensor([0, 7, 8, 100, -1, 3] + [-1] * 10, dtype=torch.int32, device=DEVICE)
+    assert row_to_slot.shape[0] == 16
     pool = torch.zeros(16, 256, dtype=torch.bfloat16, device=DEVICE)
     for r, token in enumerate([0, 3, None, None, None, 1]):
         if token is not None:
@@ -513,10 +532,15 @@ def test_quantize_cols_transposed_into_given_outputs_and_views(prebuilt):
 @requires_cuda
 def test_quantize_cols_transposed_rejects_bad_inputs():
     x = torch.zeros(40, 128, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="x: 40 rows, expected a multiple of 16"):
+    with pytest.raises(ValueError, match="x: 40 rows, expected a multiple of 16 .*pass rows= to pad"):
         quantize_cols_transposed_fp8(x)
     with pytest.raises(ValueError, match="x: 24 pool rows, expected a multiple of 16"):
         quantize_cols_transposed_fp8(x, gather=(torch.zeros(24, dtype=torch.int32, device=DEVICE), 1))
+    for rows in (32, 40, 50, 48.0, True, 2 ** 31):
+        with pytest.raises(ValueError, match=f"rows={rows!r}: expected an int multiple of 16, at least the 40 rows"):
+            quantize_cols_transposed_fp8(x, rows=rows)
+    with pytest.raises(ValueError, match=r"out: got .*expected a torch.float8_e4m3fn tensor of shape \(128, 48\)"):
+        quantize_cols_transposed_fp8(x, rows=48, out=torch.empty(128, 40, dtype=torch.float8_e4m3fn, device=DEVICE))
     with pytest.raises(ValueError, match=r"out: got .*expected a torch.float8_e4m3fn tensor of shape \(128, 32\)"):
         quantize_cols_transposed_fp8(x[:32], out=torch.empty(32, 128, dtype=torch.float8_e4m3fn, device=DEVICE))
     with pytest.raises(ValueError, match=r"scale_out: got .*expected a torch.float32 tensor of shape \(128, 1\)"):

@@ -59,8 +59,8 @@ _COL_ARGS = (KernelArg("x", "const __nv_bfloat16*"), KernelArg("data", "unsigned
              KernelArg("scale", "float*"), KernelArg("num_rows", "unsigned int"), KernelArg("cols", "unsigned int"))
 _COL_T_ARGS = (KernelArg("x", "const __nv_bfloat16*"), KernelArg("row_to_slot", "const int*", nullable=True),
                KernelArg("data", "unsigned char*"), KernelArg("scale", "float*"), KernelArg("num_rows", "unsigned int"),
-               KernelArg("cols", "unsigned int"), KernelArg("top_k", "unsigned int"),
-               KernelArg("num_tokens", "unsigned int"))
+               KernelArg("out_rows", "unsigned int"), KernelArg("cols", "unsigned int"),
+               KernelArg("top_k", "unsigned int"), KernelArg("num_tokens", "unsigned int"))
 #: Columns one CTA step of the transposing column kernel covers (128 rows x this).
 _COL_T_BLOCK_COLS = 64
 _SWIGLU_BWD_ARGS = (
@@ -279,14 +279,20 @@ def quantize_cols_fp8(x: torch.Tensor, *, out: torch.Tensor | None = None,
 
 
 def quantize_cols_transposed_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | None = None,
-                                 out: torch.Tensor | None = None,
+                                 rows: int | None = None, out: torch.Tensor | None = None,
                                  scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """128x1 tiles down each column, written transposed: ``x [R, M]`` bf16 ->
     ``(data [M, R] e4m3, scale [M, ceil(R/128)] fp32)``, bit for bit
     ``recipes.fp8.quantize_cols(x)`` with data and scales transposed (``.t().contiguous()``): the
     K-major operand ``at_q, sa`` (or ``bt_q, sb``) of ``k_grouped_fp8_gemm_nt_contiguous`` for a
     pool ``x``. Tile i covers rows [128 i, 128 i + 128) (in the routed pool every expert starts on a
-    multiple of 128). R must be a multiple of 16 (16-byte rows of the e4m3 output), M of 8.
+    multiple of 128). M must be a multiple of 8.
+
+    ``rows``: the output's row count R' (default R), a multiple of 16 (16-byte rows of e4m3) and at
+    least R: x is quantized as if zero-padded to R' rows (data ``[M, R']``, scale
+    ``[M, ceil(R'/128)]``; the padding's bytes are zeros and change no scale of a tile that has real
+    rows). A routed pool has ``T*K + E*127`` rows, so the K-grouped GEMM (P % 16 == 0) takes it
+    padded to the next multiple of 16.
 
     ``gather=(row_to_slot, top_k)`` quantizes the pool ``[P, M]`` (P = ``row_to_slot.shape[0]``) whose
     row r is ``x[row_to_slot[r] // top_k]``, zeros where ``row_to_slot[r] < 0`` or the token is out of
@@ -296,11 +302,17 @@ def quantize_cols_transposed_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor,
     row_to_slot = top_k = None
     if gather is not None:
         row_to_slot, top_k = _check_gather(gather, x.device)
-    rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    in_rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
     cols = x.shape[1]
-    if rows % 16:
-        raise ValueError(f"x: {rows} {'pool ' if gather is not None else ''}rows, expected a multiple of 16 (the "
-                         f"transposed output's rows are 16-byte vectors of e4m3)")
+    what = "pool rows" if gather is not None else "rows"
+    if rows is None:
+        rows = in_rows
+        if rows % 16:
+            raise ValueError(f"x: {rows} {what}, expected a multiple of 16 (the transposed output's rows are "
+                             f"16-byte vectors of e4m3); pass rows= to pad")
+    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < in_rows or rows % 16 or rows >= 2 ** 31:
+        raise ValueError(f"rows={rows!r}: expected an int multiple of 16, at least the {in_rows} {what} of x and "
+                         f"below 2**31")
     data = _output("out", out, (cols, rows), FP8_DTYPE, x.device, 16)
     scale = _output("scale_out", scale_out, (cols, num_blocks(rows)), torch.float32, x.device, 4)
     if rows == 0 or cols == 0:
@@ -313,8 +325,8 @@ def quantize_cols_transposed_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor,
     kernel = jit.build(*config)
     with jit.device_guard(x):
         kernel.launch(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), jit.pack_args(
-            config[0], _COL_T_ARGS, x=x, row_to_slot=row_to_slot, data=data, scale=scale, num_rows=rows, cols=cols,
-            top_k=1 if top_k is None else top_k, num_tokens=x.shape[0]))
+            config[0], _COL_T_ARGS, x=x, row_to_slot=row_to_slot, data=data, scale=scale, num_rows=in_rows,
+            out_rows=rows, cols=cols, top_k=1 if top_k is None else top_k, num_tokens=x.shape[0]))
     return data, scale
 
 

@@ -94,10 +94,12 @@ class Sm90Provider(GemmProvider):
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8 and recipe.fp8_wgrad:
-            # Operands quantized 128x1 along the tokens, transposed K-major: at [M, P], bt [N, P].
+            # Operands quantized 128x1 along the tokens, transposed K-major: at [M, P'], bt [N, P'], the
+            # pool zero-padded to P' = P rounded up to 16 rows (16-byte rows of e4m3 for TMA).
             k = _kernels
-            at_q, sa = k.quantize_cols_transposed_fp8(a, gather=None if gather_a is None else gather_a[:2])
-            bt_q, sb = k.quantize_cols_transposed_fp8(b, gather=None if gather_b is None else gather_b[:2])
+            rows = -(-meta.num_pool_rows // 16) * 16
+            at_q, sa = k.quantize_cols_transposed_fp8(a, gather=None if gather_a is None else gather_a[:2], rows=rows)
+            bt_q, sb = k.quantize_cols_transposed_fp8(b, gather=None if gather_b is None else gather_b[:2], rows=rows)
             return k.k_grouped_fp8_gemm_nt_contiguous(at_q, sa, bt_q, sb, meta.starts, meta.ends)
         ga, a = _gather(gather_a, a)
         gb, b = _gather(gather_b, b)

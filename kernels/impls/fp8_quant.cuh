@@ -421,14 +421,15 @@ quantize_cols_kernel(const __nv_bfloat16* __restrict__ x, unsigned char* __restr
 // ---------------------------------------------------------------------------------------------
 // 128x1 tiles down the columns, written transposed (the K-major operands of the K-grouped fp8
 // GEMM): x [num_rows, cols] (or the gathered pool: row r is x[row_to_slot[r] / top_k], zeros where
-// the slot is < 0 or the token out of range) -> data [cols, num_rows] e4m3 and scale
-// [cols, ceil(num_rows / 128)], i.e. quantize_cols_kernel's bytes and scales transposed.
+// the slot is < 0 or the token out of range), zero-padded to out_rows >= num_rows rows -> data
+// [cols, out_rows] e4m3 and scale [cols, ceil(out_rows / 128)], i.e. quantize_cols_kernel's bytes
+// and scales of the padded x, transposed.
 // One CTA step covers 128 rows x 64 columns: thread (row group rg = tid / 8, column vector
 // cv = tid % 8) loads rows 4 rg .. 4 rg + 3 of columns 8 cv .. 8 cv + 7 (a warp's load covers 4 row
 // segments of 128 bytes); the column amaxes are reduced as in quantize_cols_kernel; each column's
 // four quantized bytes go to shared memory as one word, transposed (column c's 32 words at c * 32,
 // word w at w ^ (4 * (c / 8)): conflict-free word stores, 16-byte loads stay contiguous), and
-// leave as 16-byte segments of the output rows (8 lanes per 128 bytes). num_rows is a multiple of
+// leave as 16-byte segments of the output rows (8 lanes per 128 bytes). out_rows is a multiple of
 // 16, so a segment is wholly inside or past the end.
 constexpr int kFp8ColsTColVecs = 8;
 constexpr int kFp8ColsTRowsPerThread = kFp8Block * kFp8ColsTColVecs / kFp8QuantThreads;
@@ -438,13 +439,13 @@ static_assert(kFp8ColsTRowsPerThread == 4, "a thread's rows make one 32-bit word
 template <bool kGather>
 __global__ void __launch_bounds__(kFp8QuantThreads)
 quantize_cols_t_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict__ row_to_slot,
-                       unsigned char* __restrict__ data, float* __restrict__ scale, u32 num_rows, u32 cols, u32 top_k,
-                       u32 num_tokens) {
+                       unsigned char* __restrict__ data, float* __restrict__ scale, u32 num_rows, u32 out_rows,
+                       u32 cols, u32 top_k, u32 num_tokens) {
     constexpr int kWordsPerCol = kFp8Block / 4;
     __shared__ uint4 smem_amax[kFp8QuantWarps][kFp8ColsTColVecs];
     __shared__ __align__(16) u32 smem_t[kFp8ColsTBlockCols * kWordsPerCol];
     grid_dependency_wait();
-    const u32 row_blocks = (num_rows + kFp8Block - 1) / kFp8Block;
+    const u32 row_blocks = (out_rows + kFp8Block - 1) / kFp8Block;
     const u32 col_blocks = (cols + kFp8ColsTBlockCols - 1) / kFp8ColsTBlockCols;
     const u32 num_blocks = row_blocks * col_blocks;
     const u32 cv = threadIdx.x % kFp8ColsTColVecs;
@@ -521,9 +522,9 @@ quantize_cols_t_kernel(const __nv_bfloat16* __restrict__ x, const int* __restric
             const u32 idx = threadIdx.x + q * kFp8QuantThreads;
             const u32 c = idx / kSegments, j = idx % kSegments;
             const u32 out_row = rb * kFp8Block + 16 * j;
-            if (col0 + c < cols && out_row < num_rows) {
+            if (col0 + c < cols && out_row < out_rows) {
                 const uint4 seg = *reinterpret_cast<const uint4*>(&smem_t[c * kWordsPerCol + 4 * (j ^ (c / 8))]);
-                store_v4(data + static_cast<i64>(col0 + c) * num_rows + out_row, seg);
+                store_v4(data + static_cast<i64>(col0 + c) * out_rows + out_row, seg);
             }
         }
     }
