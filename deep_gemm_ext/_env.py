@@ -105,11 +105,15 @@ def fused_gather() -> str | None:
     return _GATHER_MODES[value]
 
 
-def fused_gather_backward() -> bool:
+def fused_gather_backward() -> bool | None:
     """DGE_FUSED_GATHER_BACKWARD: where the forward gathered x in its L1 GEMM, the backward's GEMMs
     gather too (dy's rows in the L2 dgrad and dW2, x's rows in dW1) instead of building pools of dy
-    and x. Off by default: correct (bit-identical) but slower on the H200, since each weight-gradient
-    tile re-gathers all of its expert's rows (docs/perf-notes.md, v5)."""
+    and x. Correct (bit-identical) but slower on the H200 for bf16 GEMMs, since each weight-gradient
+    tile re-gathers all of its expert's rows (docs/perf-notes.md, v5). None when unset: the plan then
+    gathers only where the quantization kernels of fp8 operands do it (fp8 weight gradients on our
+    SM90 kernels), off otherwise."""
+    if not os.environ.get("DGE_FUSED_GATHER_BACKWARD", "").strip():
+        return None
     return _flag("DGE_FUSED_GATHER_BACKWARD")
 
 
@@ -124,7 +128,8 @@ def fused_combine() -> bool:
 def fp8_wgrad() -> str | None:
     """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
     operands (``fp8``) or bf16 ones (``bf16``: unquantized operands, twice the bytes). None when
-    unset: the plan then takes bf16 on our SM90 kernels (no fp8 K-grouped kernel) and fp8 elsewhere."""
+    unset: the plan then takes bf16 on our SM90 kernels (their fp8 K-grouped GEMM is opt-in until
+    measured faster) and fp8 elsewhere."""
     if not os.environ.get("DGE_FP8_WGRAD", "").strip():
         return None
     value = os.environ["DGE_FP8_WGRAD"].strip().lower()

@@ -60,6 +60,13 @@ def swiglu_forward(h: torch.Tensor, activation_clamp: float | None, kernels=None
     return swiglu(h.to(acc), activation_clamp).to(h.dtype)
 
 
+def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
+                        activation_clamp: float | None, kernels):
+    """:func:`swiglu_backward` on the JIT kernel that also quantizes dh 1x128 along 2I (the fp8
+    recipe's L1 data-gradient operand): ``(dh, d_row_weight, act_w, dh_data, dh_scale)``."""
+    return kernels.swiglu_backward_fp8(h, da, row_weight, activation_clamp)
+
+
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor, activation_clamp: float | None,
                     kernels=None):
     """SwiGLU backward of ``w * da`` per pool row, plus ``<da, act>`` and ``w * act``.

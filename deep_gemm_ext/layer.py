@@ -4,6 +4,9 @@
     backward:  exchange.combine_backward -> L2 dgrad -> SwiGLU backward (d topk_weights = <da', act>)
                -> dW2, L1 dgrad -> combine -> dW1 -> exchange.dispatch_backward
 
+Under the fp8 recipe the SwiGLU backward may also write dh quantized for the L1 data gradient
+(``plan.fp8_dh``): the GEMM then reads those rows (an Fp8Rows operand) instead of quantizing dh.
+
 Which GEMMs run (``plan.gemms``: our SM90 kernels, torch._grouped_mm, a loop over experts, DeepGEMM),
 under which precision (``plan.precision``) and token exchange (``plan.tokens``) is the plan's
 choice (deep_gemm_ext.plan); so is which steps run inside the GEMMs: the L1 GEMM gathering x's
@@ -21,7 +24,7 @@ import torch
 
 from . import elementwise
 from .plan import Plan
-from .providers import Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .providers import Fp8Rows, Gather, ScatterSlots, SwigluBackward, SwigluForward
 from .routing import RoutingMeta, pool_rows
 
 _META_TENSORS = 5  # counts, starts, ends, slot_to_row, row_to_slot
@@ -153,14 +156,23 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, <da', act> and act_w.
         dh, d_row_weight, act_w = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather,
                                                   epilogue=SwigluBackward(h, row_weight, activation_clamp))
+        dh_l1 = dh
     else:
         da = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
-        dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp, plan.kernels)
+        if plan.fp8_dh:
+            # The SwiGLU backward also quantizes dh for the L1 data gradient (no separate pass).
+            dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,
+                                                                                  plan.kernels)
+            dh_l1 = Fp8Rows(*dh_rows)
+        else:
+            dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp, plan.kernels)
+            dh_l1 = dh
         del da
     d_l2 = gemms.k_grouped(a_dy, act_w, meta, recipe=precision, gather_a=gather)  # [E, H, I]
     del a_dy, act_w
     # l1[e] is [2I, H]: dh @ l1[e], summed over each token's slots
-    dx_r = _combine(plan, dh, precision.expert_weights(l1_weights, cdt), "nn", meta, None, dy.dtype)
+    dx_r = _combine(plan, dh_l1, precision.expert_weights(l1_weights, cdt), "nn", meta, None, dy.dtype)
+    del dh_l1
     if plan.gather_backward:
         d_l1 = gemms.k_grouped(dh, x_rows.contiguous(), meta, recipe=precision, gather_b=gather)  # [E, 2I, H]
     else:

@@ -67,11 +67,15 @@ class Plan:
     jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
     gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async" or "tma");
                       "" builds a pool of x first
-    gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x)
+    gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x; DGE_FUSED_GATHER_BACKWARD,
+                      unset: on only where every backward operand is quantized by a gathering kernel, fp8 weight
+                      gradients on the sm90 provider)
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
                       (DGE_FP8_WGRAD; unset: "bf16" on the sm90 provider, "fp8" on the others)
+    fp8_dh            under the fp8 recipe, the SwiGLU backward (a JIT kernel) also writes dh quantized 1x128
+                      and the L1 data gradient reads it (providers that take Fp8Rows, SwiGLU not in epilogues)
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
     gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
@@ -90,6 +94,7 @@ class Plan:
     swiglu_epilogues: bool = False
     check_ids: bool = True
     fp8_wgrad: str = "fp8"
+    fp8_dh: bool = False
     gemm_schedule: str = "cooperative"
 
     # -- the parts ------------------------------------------------------------------------------
@@ -142,7 +147,8 @@ class Plan:
                  "elementwise steps in " + ("JIT kernels" if self.jit_elementwise else "torch ops")]
         fusions = [name for name, on in (("L1 gathers x", self.gather_x), ("backward gathers", self.gather_backward),
                                          ("combine epilogues", self.combine_epilogue),
-                                         ("SwiGLU epilogues", self.swiglu_epilogues)) if on]
+                                         ("SwiGLU epilogues", self.swiglu_epilogues),
+                                         ("dh quantized in the SwiGLU backward", self.fp8_dh)) if on]
         if fusions:
             parts.append(", ".join(fusions))
         if self.exchange != "local":
@@ -267,13 +273,17 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
     facts = ShapeFacts(sm90_gemm, swiglu_epilogue, grouped_mm_groups)
     provider = choose_provider(device, dtype, facts, backend, recipe)
     gemms = PROVIDERS[provider]
-    # Weight gradients under fp8: our SM90 provider has no fp8 K-grouped GEMM, so bf16 unless asked.
+    # Weight gradients under fp8: bf16 on our SM90 provider unless asked (its fp8 K-grouped GEMM is not
+    # yet measured to be faster there).
     wgrad = _env.fp8_wgrad() or ("bf16" if provider == "sm90" else "fp8")
     precision = _precision(recipe, wgrad)
     compute = {torch.float64: "float64", torch.bfloat16: "bfloat16"}.get(gemms.compute_dtype(dtype), "float32")
     jit = jit_available(device)
     gather_mode = _env.fused_gather()
     gather_x = gather_mode if (gather_mode is not None and gemms.gathers) else ""
+    gather_backward = _env.fused_gather_backward()
+    swiglu_epilogues = (_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
+                        and gemms.supports(precision, SwigluBackward, facts))
     plan = Plan(
         provider=provider,
         recipe=recipe,
@@ -283,13 +293,14 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         jit_routing=jit,
         jit_elementwise=jit and compute == "bfloat16",
         gather_x=gather_x,
-        gather_backward=bool(gather_x) and _env.fused_gather_backward(),
+        gather_backward=bool(gather_x) and (gather_backward if gather_backward is not None else bool(
+            precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather)),
         combine_epilogue=gemms.supports(precision, ScatterSlots, facts) and _env.fused_combine(),
-        swiglu_epilogues=(_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
-                          and gemms.supports(precision, SwigluBackward, facts)),
+        swiglu_epilogues=swiglu_epilogues,
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
         fp8_wgrad=wgrad,
+        fp8_dh=(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues),
         gemm_schedule=_env.gemm_schedule(),
     )
     return plan.encode()

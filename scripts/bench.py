@@ -66,7 +66,10 @@ def _variant_env(backend: str) -> dict[str, str]:
     return {"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
             "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
                                  "tma" if "gather-tma" in backend else "cp_async"),
-            "DGE_FUSED_GATHER_BACKWARD": "1" if "gather-backward" in backend else "0",
+            # Unset for fp8 weight gradients: the plan's default there gathers (in the quantizers).
+            "DGE_FUSED_GATHER_BACKWARD": ("1" if "gather-backward" in backend else
+                                          "" if "fp8-wgrad" in backend else "0"),
+            "DGE_FP8_WGRAD": "fp8" if "fp8-wgrad" in backend else "",
             "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
             "DGE_GEMM_SCHEDULE": "pingpong" if "pingpong" in backend else "cooperative"}
 
@@ -136,6 +139,9 @@ def implementations(with_loop: bool, all_variants: bool = False, compiled: bool 
     impls[("ours", "auto", "bf16")] = Impl(_ours())
     # Blockwise fp8 (DeepSeek-V3 recipe) on our SM90 kernels; weights quantized once (the cache).
     impls[("ours", "auto", "fp8")] = Impl(_ours(recipe="fp8"))
+    # With fp8 weight gradients on our fp8 K-grouped GEMM (DGE_FP8_WGRAD=fp8; the backward's
+    # quantization kernels then gather dy's and x's rows: the plan's default for that mode).
+    impls[("ours", "auto+fp8-wgrad", "fp8")] = Impl(_ours(recipe="fp8"))
     # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
     # Our GEMMs on the ping-pong consumer schedule (DGE_GEMM_SCHEDULE=pingpong), alone and with the
     # SwiGLU epilogues it may make pay.

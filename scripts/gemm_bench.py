@@ -17,7 +17,11 @@ argument; DGE_GEMM_SCHEDULE for the layer) and of one dense cuBLAS GEMM (torch.m
 copies), TFLOP/s of our blockwise-fp8 GEMM (m_grouped_fp8_gemm_nt_contiguous, operands quantized by
 recipes.fp8 beforehand, not timed) under both mainloop schedules ("serial", the default, and
 "overlap") next to our bf16 GEMM on the same random operands; the "bits" column says whether the
-two fp8 schedules' outputs are equal bit for bit.
+two fp8 schedules' outputs are equal bit for bit. A second table has the two weight-gradient GEMMs
+(dW1 = dh^T x, dW2 = dy^T act): our bf16 K-grouped GEMM against the fp8 K-grouped one
+(k_grouped_fp8_gemm_nt_contiguous) without and with the two quantization passes that make its
+operands (quantize_cols_transposed_fp8 of each pool), and the fp8 result's relative error against
+the bf16 one.
 
 --clusters: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192), TFLOP/s
 of clusters of 1 and of 2 CTAs (the launchers' ``cluster_n``: adjacent M blocks sharing the B tile by
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg  # noqa: E402
+from deep_gemm_ext.jit_kernels import fp8_quant as fq  # noqa: E402
 from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg  # noqa: E402
 from deep_gemm_ext.recipes import fp8 as fp8_recipe  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
@@ -192,6 +197,65 @@ def _fp8_cases(w):
     ], owned_rows
 
 
+def _wgrad_cases(w):
+    """(name, dense (M, N, K), bf16 K-grouped GEMM, fp8 K-grouped GEMM on operands quantized once
+    here, the two quantization passes and that GEMM) per weight-gradient GEMM of the layer."""
+    torch.manual_seed(0)
+    idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
+    meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
+    starts, ends = meta.starts, meta.ends
+    used = int(ends[-1].item())
+    pad = meta.row_to_slot < 0
+    rows = meta.num_pool_rows
+    H, I = w.hidden, w.intermediate
+    x, act = _pool(rows, H, pad), _pool(rows, I, pad)
+    dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
+    cases = []
+    padded = -(-rows // 16) * 16  # the K-grouped GEMM's P % 16 == 0: the layer's padding of the pool
+    for name, (a, b) in (("L1 wgrad", (dh, x)), ("L2 wgrad", (dy, act))):
+        qa, qb = fq.quantize_cols_transposed_fp8(a, rows=padded), fq.quantize_cols_transposed_fp8(b, rows=padded)
+
+        def bf16(a=a, b=b):
+            return gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends)
+
+        def fp8(qa=qa, qb=qb):
+            return fg.k_grouped_fp8_gemm_nt_contiguous(*qa, *qb, starts, ends)
+
+        def fp8_quantized(a=a, b=b):
+            return fg.k_grouped_fp8_gemm_nt_contiguous(*fq.quantize_cols_transposed_fp8(a, rows=padded),
+                                                       *fq.quantize_cols_transposed_fp8(b, rows=padded), starts, ends)
+
+        cases.append((name, (a.shape[1], b.shape[1], used), bf16, fp8, fp8_quantized))
+    return cases
+
+
+def _wgrad_table(args) -> list[dict]:
+    results = []
+    for workload in args.workload or ("qwen3-30b-a3b-t16384",):
+        w = WORKLOADS[workload]
+        for name, (m, n, k), bf16, fp8, fp8_quantized in _wgrad_cases(w):
+            flops = 2.0 * m * n * k
+            ref, got = bf16().float(), fp8().float()
+            err = float((got - ref).norm() / ref.norm().clamp(min=1e-30))
+            bf16_ms, fp8_ms, fp8_q_ms = (median_ms(f, args.reps) for f in (bf16, fp8, fp8_quantized))
+            results.append({"workload": w.name, "gemm": name, "kind": "k_grouped", "m": m, "n": n, "k": k,
+                            "bf16_us": bf16_ms * 1e3, "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
+                            "fp8_tflops": flops / fp8_ms / 1e9, "fp8_with_quant_us": fp8_q_ms * 1e3,
+                            "fp8_rel_err_vs_bf16": err})
+        torch.cuda.empty_cache()
+    print(f"Weight gradients on {torch.cuda.get_device_name()}: our bf16 K-grouped GEMM vs the fp8 K-grouped GEMM, "
+          "without and with (fp8+q) the two transposing column-quantization passes of its operands")
+    print(f"{'workload':<22} | {'gemm':<8} | {'M x N x K':>20} | {'bf16 us':>8} | {'bf16':>6} | {'fp8 us':>8} | "
+          f"{'fp8':>6} | {'fp8+q us':>8} | fp8/bf16 | fp8+q/bf16 | rel err")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{r['workload']:<22} | {r['gemm']:<8} | {shape:>20} | {r['bf16_us']:8.1f} | {r['bf16_tflops']:6.1f} | "
+              f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_with_quant_us']:8.1f} | "
+              f"{r['bf16_us'] / r['fp8_us']:7.2f}x | {r['bf16_us'] / r['fp8_with_quant_us']:9.2f}x | "
+              f"{r['fp8_rel_err_vs_bf16']:.2e}")
+    return results
+
+
 def _fp8_table(args) -> int:
     results = []
     for workload in args.workload or ("qwen3-30b-a3b-t16384",):
@@ -209,9 +273,6 @@ def _fp8_table(args) -> int:
                              "fp8_tflops": flops / fp8_ms / 1e9, "fp8_overlap_us": overlap_ms * 1e3,
                              "fp8_overlap_tflops": flops / overlap_ms / 1e9, "fp8_overlap_bit_identical": same})
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     print(f"TFLOP/s on {torch.cuda.get_device_name()}: our bf16 GEMM (nt forward, nn dgrad) and our blockwise-fp8 "
           "GEMM (nt on the transposed weight copy for the dgrads), mainloop 'serial' (fp8) and 'overlap' (ovl)")
     print(f"{'workload':<22} | {'gemm':<10} | {'M x N x K':>20} | {'bf16 us':>8} | {'bf16':>6} | {'fp8 us':>8} | "
@@ -224,6 +285,11 @@ def _fp8_table(args) -> int:
               f"{r['fp8_overlap_tflops'] / r['bf16_tflops']:7.2f}x | "
               f"{r['fp8_overlap_tflops'] / r['fp8_tflops']:6.2f}x | "
               f"{'same' if r['fp8_overlap_bit_identical'] else 'DIFFER'}")
+    print()
+    wgrad = _wgrad_table(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results + wgrad, f, indent=2)  # weight-gradient rows carry "kind": "k_grouped"
     return 0 if all(r["fp8_overlap_bit_identical"] for r in results) else 1
 
 

@@ -574,7 +574,8 @@ def test_weight_cache_is_bypassed_under_cuda_graph_capture(monkeypatch):
 
 def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     """On an SM90 GPU "auto" runs both recipes on our kernels; under fp8 their weight gradients are
-    bf16 unless DGE_FP8_WGRAD says otherwise (no fp8 K-grouped kernel), fp8 on the other providers."""
+    bf16 unless DGE_FP8_WGRAD says otherwise (the fp8 K-grouped GEMM is opt-in there), fp8 on the
+    other providers; the SwiGLU backward quantizes dh on ours only, and not inside the epilogues."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(plan, "jit_available", lambda device: True)
     facts = plan.ShapeFacts(sm90_gemm=True, swiglu_epilogue=True, grouped_mm_groups=True)
@@ -587,11 +588,27 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     monkeypatch.delenv("DGE_FP8_WGRAD", raising=False)
     sm90 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
     assert (sm90.provider, sm90.fp8_wgrad, sm90.precision.fp8_wgrad) == ("sm90", "bf16", False)
-    assert sm90.combine_epilogue and not sm90.swiglu_epilogues
+    assert sm90.combine_epilogue and not sm90.swiglu_epilogues and sm90.fp8_dh
+    assert "dh quantized in the SwiGLU backward" in sm90.describe()
+    assert plan.Plan.decode(sm90.encode()) == sm90
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "bf16", "local")).fp8_dh
     torch_plan = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local"))
-    assert (torch_plan.provider, torch_plan.fp8_wgrad) == ("grouped_mm", "fp8")
+    assert (torch_plan.provider, torch_plan.fp8_wgrad, torch_plan.fp8_dh) == ("grouped_mm", "fp8", False)
+    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
+    monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
+    assert not sm90.gather_backward  # bf16 weight gradients: the GEMMs' gathers are slower than pools
     monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
-    assert plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).fp8_wgrad == "fp8"
+    fp8_wgrad = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
+    # fp8 weight gradients on ours: every backward operand is quantized by a gathering kernel.
+    assert (fp8_wgrad.fp8_wgrad, fp8_wgrad.gather_x, fp8_wgrad.gather_backward, fp8_wgrad.fp8_dh) == \
+        ("fp8", "cp_async", True, True)
+    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "0")
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).gather_backward
+    monkeypatch.setenv("DGE_FUSED_GATHER", "0")
+    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD")
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).gather_backward
+    torch_fp8 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local"))
+    assert not torch_fp8.gather_backward
 
 
 def test_recipe_fp8_needs_multiples_of_128():

@@ -1,16 +1,20 @@
 """The layer under recipe="fp8" on our SM90 kernels (blockwise-fp8 GEMMs, quantization kernels,
-bf16 weight gradients by default) against the fp64 reference: y and all four gradients within
+dh quantized in the SwiGLU backward, bf16 weight gradients by default, fp8 ones on the K-grouped
+fp8 GEMM with DGE_FP8_WGRAD=fp8) against the fp64 reference: y and all four gradients within
 1.02x (+1e-3) of the error of the fp32 emulation of the same quantization points
 (recipes.fp8.fp8_reference_layer with the plan's weight-gradient mode), NaN-poisoned memory first,
-on the headline layers' sizes (fewer tokens) and the routing edge cases, under the documented
-variants (pool instead of the gathering quantizer, pool instead of the combine epilogue, fp8 weight
-gradients). The errors are printed (pytest -s) for the notes.
+on the headline layers' sizes (fewer tokens, both weight-gradient modes) and the routing edge
+cases, under the documented variants (pool instead of the gathering quantizer, pool instead of the
+combine epilogue, fp8 weight gradients with and without the backward's gathers). The fused dh
+quantization against the separate pass: every output bit for bit. The errors are printed
+(pytest -s) for the notes.
 """
 import pytest
 import torch
 
 import deep_gemm_ext as dge
 from deep_gemm_ext import plan
+from deep_gemm_ext.providers import Sm90Provider
 from deep_gemm_ext.recipes import fp8
 from deep_gemm_ext.testing import ROUTINGS, make_inputs, rel_err
 
@@ -56,10 +60,13 @@ def check_fp8_layer(T, H, I, E, K, routing, clamp, seed, label):
                                                  f"(seed={seed})")
 
 
+@pytest.mark.parametrize("wgrad", ["default", "fp8"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fp8_layer_headline_shapes(shape):
+def test_fp8_layer_headline_shapes(monkeypatch, shape, wgrad):
+    if wgrad == "fp8":
+        monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     T, H, I, E, K = SHAPES[shape]
-    check_fp8_layer(T, H, I, E, K, "uniform", None, seed=5, label=shape)
+    check_fp8_layer(T, H, I, E, K, "uniform", None, seed=5, label=f"{shape} wgrad={wgrad}")
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
@@ -69,15 +76,42 @@ def test_fp8_layer_routings(routing, clamp):
 
 
 @pytest.mark.parametrize("env", [{"DGE_FUSED_GATHER": "0"}, {"DGE_FUSED_COMBINE": "0"}, {"DGE_FP8_WGRAD": "fp8"},
-                                 {"DGE_FP8_WGRAD": "bf16", "DGE_FUSED_GATHER": "tma"}])
+                                 {"DGE_FP8_WGRAD": "bf16", "DGE_FUSED_GATHER": "tma"},
+                                 {"DGE_FP8_WGRAD": "fp8", "DGE_FUSED_GATHER_BACKWARD": "1"},
+                                 {"DGE_FP8_WGRAD": "fp8", "DGE_FUSED_GATHER": "0", "DGE_FUSED_COMBINE": "0"}])
 def test_fp8_layer_variants(monkeypatch, env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     check_fp8_layer(600, 1024, 384, 16, 4, "zipf", 7.0, seed=13, label=",".join(f"{k}={v}" for k, v in env.items()))
 
 
+@pytest.mark.parametrize("env", [{}, {"DGE_FP8_WGRAD": "fp8"}, {"DGE_FUSED_COMBINE": "0"}])
+def test_fp8_dh_quantized_in_swiglu_backward_is_bit_identical(monkeypatch, env):
+    """The plan quantizes dh in the SwiGLU backward on our SM90 provider; with that off (the
+    provider taking no Fp8Rows) the L1 dgrad quantizes dh itself: every output bit for bit the same
+    (the fused quantizer is quantize_rows' twin), NaN-poisoned memory before each run."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x, idx, w, l1, l2 = make_inputs(600, 1024, 384, 16, 4, routing="empty_experts", device="cuda", seed=17)
+    dy = torch.randn(600, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(17)).to(torch.bfloat16)
+    assert plan.resolve(x, l1, recipe="fp8").fp8_dh, plan.resolve(x, l1, recipe="fp8").describe()
+    poison_cached_memory()
+    fused = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
+    monkeypatch.setattr(Sm90Provider, "takes_fp8_rows", False)
+    assert not plan.resolve(x, l1, recipe="fp8").fp8_dh
+    poison_cached_memory()
+    separate = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, (fused[0], *fused[1]), (separate[0], *separate[1])):
+        assert torch.isfinite(a).all(), f"{env} {name}: non-finite output"
+        assert torch.equal(a, b), f"{env} {name}: fused dh quantization differs from the separate pass (seed=17)"
+
+
+@pytest.mark.parametrize("wgrad", ["default", "fp8"])
 @pytest.mark.parametrize("num_tokens", [0, 1])
-def test_fp8_layer_tiny_token_counts(num_tokens):
+def test_fp8_layer_tiny_token_counts(monkeypatch, num_tokens, wgrad):
+    if wgrad == "fp8":
+        monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     x, idx, w, l1, l2 = make_inputs(num_tokens, 256, 128, 8, 2, device="cuda", seed=3)
     dy = torch.randn(num_tokens, 256, device="cuda").to(torch.bfloat16)
     y, grads = run_layer(_fp8_layer, x, idx, w, l1, l2, None, dy)

@@ -1,5 +1,8 @@
 """Blockwise-fp8 quantization kernels (jit_kernels.fp8_quant) against the torch quantizers of
-recipes.fp8 on the same CUDA tensors: e4m3 bytes and fp32 scale bits must be identical.
+recipes.fp8 on the same CUDA tensors: e4m3 bytes and fp32 scale bits must be identical. The fused
+kernels against the unfused ones: swiglu_backward_fp8 against jit_kernels.swiglu_backward (dh,
+dweight, act_w bit for bit) followed by quantize_rows of its dh; quantize_cols_transposed_fp8
+against quantize_cols transposed (plain and gathering the routed pool).
 
 GPU tests (an SM90 GPU: the kernels are built for sm_90a) draw fresh seeded inputs with special
 tiles (zeros, -0, NaN / +-Inf, all non-finite, bf16 extremes, 1e-30, bf16 subnormals, exact e4m3
@@ -18,8 +21,8 @@ import torch
 from conftest import poison_cached_memory, requires_compiler, requires_cuda, requires_hopper
 
 from deep_gemm_ext import elementwise, jit
-from deep_gemm_ext.jit_kernels import (fp8_quant, quantize_cols_fp8, quantize_rows_fp8, swiglu_forward,
-                                       swiglu_forward_fp8)
+from deep_gemm_ext.jit_kernels import (fp8_quant, quantize_cols_fp8, quantize_cols_transposed_fp8, quantize_rows_fp8,
+                                       swiglu_backward, swiglu_backward_fp8, swiglu_forward, swiglu_forward_fp8)
 from deep_gemm_ext.recipes import fp8
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
@@ -336,6 +339,216 @@ def test_swiglu_forward_fp8_matches_quantized_act(prebuilt, p, inter, clamp):
     _assert_bit_equal(swiglu_forward_fp8(h, clamp), ref, what + " (no act)")
 
 
+# -- SwiGLU backward + quantize dh ----------------------------------------------------------------
+
+
+def _swiglu_backward_inputs(p: int, inter: int, seed: int):
+    """h [p, 2I] (x4 Gaussian, NaN in a gate, +Inf in an up value), da [p, I] with per-row magnitudes
+    2^-40 .. 2^40 and every third 1x128 tile special (zeros, NaN / Inf, subnormals, ties...), row
+    weights Gaussian with zeros (all-zero dh rows) and one 2^-100 (tiny dh tiles)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(p, 2 * inter, generator=gen) * 4).bfloat16()
+    if p > 4:
+        h[1, 5] = float("nan")
+        h[2, inter + 9] = float("inf")
+        h[3, :128] = 0
+    da = _make_rows(p, inter, seed + 1)
+    w = torch.randn(p, generator=gen)
+    w[::7] = 0
+    if p > 5:
+        w[5] = 2.0 ** -100
+    return h.to(DEVICE), da, w.to(DEVICE)
+
+
+@requires_hopper
+@pytest.mark.parametrize("clamp", [None, 7.0])
+@pytest.mark.parametrize("p,inter", [(0, 128), (1, 128), (300, 384), (1024, 768), (77, 2048), (513, 1536), (40, 640)])
+def test_swiglu_backward_fp8_matches_unfused(prebuilt, p, inter, clamp):
+    """Outputs bit for bit those of the bf16 kernel, dh's quantization bit for bit
+    recipes.fp8.quantize_rows of that dh (2I/128 tiles a row, half of them in the up half)."""
+    seed = 7000 + p * 3 + inter + (clamp is not None)
+    h, da, w = _swiglu_backward_inputs(p, inter, seed)
+    dh, dweight, act_w = swiglu_backward(h, da, w, clamp)
+    ref = fp8.quantize_rows(dh)
+    poison_cached_memory(0xFF)
+    got = swiglu_backward_fp8(h, da, w, clamp)
+    what = f"swiglu_backward_fp8 [{p}, {2 * inter}] clamp={clamp} seed={seed}"
+    assert len(got) == 5, what
+    for name, a, b in (("dh", got[0], dh), ("dweight", got[1], dweight), ("act_w", got[2], act_w)):
+        bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {name} {a.shape} {a.dtype}"
+        assert torch.equal(a.view(bits), b.view(bits)), f"{what}: {name} differs from swiglu_backward"
+    _assert_bit_equal(got[3:], ref, what)
+    if p > 4:  # the specials reached dh: NaN tiles, and zero tiles from the zero row weights
+        assert torch.isnan(dh.float()).any() and (got[4] == 2.0 ** -126).any(), what
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind", SPECIAL_KINDS)
+def test_swiglu_backward_fp8_special_dh_tiles(prebuilt, kind):
+    """dh made of one special kind in every tile: with h = (g, u) = (0, 1) the gate gradient is
+    w * da / 2 and the up one w * da * silu(0) (zeros for finite da, NaN for non-finite), so the
+    gate half of dh is the special values halved."""
+    seed = 100 + SPECIAL_KINDS.index(kind)
+    gen = torch.Generator().manual_seed(seed)
+    p, inter = 48, 384
+    h = torch.cat([torch.zeros(p, inter), torch.ones(p, inter)], 1).bfloat16().to(DEVICE)
+    da = torch.stack([torch.cat([_special_tile(kind, 128, gen) for _ in range(3)]) for _ in range(p)])
+    da = da.bfloat16().to(DEVICE)
+    w = torch.ones(p, device=DEVICE)
+    dh, _, _ = swiglu_backward(h, da, w)
+    ref = fp8.quantize_rows(dh)
+    poison_cached_memory(0xFF)
+    got = swiglu_backward_fp8(h, da, w)
+    assert torch.equal(got[0].view(torch.int16), dh.view(torch.int16)), f"kind={kind} seed={seed}: dh differs"
+    _assert_bit_equal(got[3:], ref, f"swiglu_backward_fp8 kind={kind} seed={seed}")
+
+
+@requires_cuda
+def test_swiglu_backward_fp8_rejects_bad_inputs():
+    h = torch.zeros(4, 2 * 192, dtype=torch.bfloat16, device=DEVICE)
+    da = torch.zeros(4, 192, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"h: shape \(4, 384\), I=192; expected I a multiple of 128"):
+        swiglu_backward_fp8(h, da, w)
+    with pytest.raises(ValueError, match=r"da: shape \(4, 128\), expected \(4, 192\)"):
+        swiglu_backward_fp8(h, da[:, :128], w)
+    with pytest.raises(ValueError, match="row_weight: expected a float32 tensor of shape"):
+        swiglu_backward_fp8(h, da, w.double())
+    with pytest.raises(ValueError, match="clamp=0: expected None or a positive float"):
+        swiglu_backward_fp8(h[:, :256], da[:, :128], w, 0)
+
+
+# -- quantize_cols_transposed_fp8 ------------------------------------------------------------------
+
+COL_T_SHAPES = [(0, 256), (16, 8), (128, 2048), (144, 136), (1008, 768), (4112, 2048), (304, 7168), (32, 0),
+                (1024, 200), (256, 72)]
+
+
+def _assert_transposed_equal(got, ref, what: str) -> None:
+    """``got`` (data [M, R], scale [M, R/128]) is ``ref`` = quantize_cols (data [R, M], scale [R/128, M])
+    transposed."""
+    (data, scale), (ref_data, ref_scale) = got, ref
+    assert data.shape == ref_data.t().shape and scale.shape == ref_scale.t().shape, \
+        f"{what}: shapes {tuple(data.shape)} / {tuple(scale.shape)}, expected the transposes of " \
+        f"{tuple(ref_data.shape)} / {tuple(ref_scale.shape)}"
+    _assert_bit_equal((data, scale), (ref_data.t().contiguous(), ref_scale.t().contiguous()), what)
+
+
+@requires_hopper
+@pytest.mark.parametrize("special", [False, True], ids=["random", "special"])
+@pytest.mark.parametrize("r,m", COL_T_SHAPES)
+def test_quantize_cols_transposed_matches_torch(prebuilt, r, m, special):
+    seed = 9000 * r + m + special
+    # Specials along the columns: row-special tiles of x^T, so every third 128x1 tile is one.
+    x = _make_rows(m, r, seed, special).t().contiguous() if special else _make_rows(r, m, seed, False)
+    ref = fp8.quantize_cols(x)
+    poison_cached_memory(0xFF)
+    got = quantize_cols_transposed_fp8(x)
+    _assert_transposed_equal(got, ref, f"quantize_cols_transposed_fp8 [{r}, {m}] special={special} seed={seed}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind", SPECIAL_KINDS)
+def test_quantize_cols_transposed_every_tile_special(prebuilt, kind):
+    seed = 200 + SPECIAL_KINDS.index(kind)
+    gen = torch.Generator().manual_seed(seed)
+    r, m = 272, 80  # a ragged last row block (16 rows), a ragged column block (16 of 64)
+    xt = torch.stack([torch.cat([_special_tile(kind, 128, gen), _special_tile(kind, 128, gen),
+                                 _special_tile(kind, 16, gen)]) for _ in range(m)])
+    x = xt.t().contiguous().bfloat16().to(DEVICE)
+    ref = fp8.quantize_cols(x)
+    poison_cached_memory(0xFF)
+    _assert_transposed_equal(quantize_cols_transposed_fp8(x), ref, f"kind={kind} seed={seed}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind", ["uniform", "empty_experts", "unused_slots", "one_expert"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden", [(0, 8, 2, 256), (1, 4, 2, 200), (300, 16, 4, 2048),
+                                                                  (129, 64, 8, 768), (1000, 3, 1, 136)])
+def test_quantize_cols_transposed_gather_matches_pool(prebuilt, kind, num_tokens, num_experts, top_k, hidden):
+    """quantize_cols(gather_rows(x)) of the 128-aligned pool (T*K + E*127 rows), zero-padded to a
+    multiple of 16 rows as the layer's K-grouped GEMM takes it, transposed: padding rows are zeros."""
+    seed = num_tokens * 11 + num_experts * 5 + top_k + hidden
+    gen = torch.Generator().manual_seed(seed)
+    idx = make_routing(num_tokens, num_experts, top_k, kind, generator=gen).to(DEVICE)
+    meta = compute_routing_torch(idx, num_experts, 128)
+    x = _make_rows(num_tokens, hidden, seed)
+    pool = elementwise.gather_rows(x, meta.row_to_slot, top_k)
+    rows = -(-pool.shape[0] // 16) * 16
+    ref = fp8.quantize_cols(torch.nn.functional.pad(pool, (0, 0, 0, rows - pool.shape[0])))
+    poison_cached_memory(0xFF)
+    got = quantize_cols_transposed_fp8(x, gather=(meta.row_to_slot, top_k), rows=rows)
+    what = f"gather kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} P={pool.shape[0]} seed={seed}"
+    _assert_transposed_equal(got, ref, what)
+    padding = meta.row_to_slot < 0
+    if padding.any():
+        assert (got[0][:, :pool.shape[0]][:, padding].view(torch.uint8) == 0).all(), what
+    assert (got[0][:, pool.shape[0]:].view(torch.uint8) == 0).all(), what
+
+
+@requires_hopper
+@pytest.mark.parametrize("r,m,rows", [(1, 8, 16), (100, 136, 112), (1018, 768, 1024), (1018, 768, 1152), (0, 64, 32),
+                                      (130, 2048, 144)])
+def test_quantize_cols_transposed_padded_rows(prebuilt, r, m, rows):
+    """rows=R' >= R: x quantized as if zero-padded to R' rows (zero bytes in the padding, the scales
+    of tiles with real rows unchanged, floor scales for tiles of padding only)."""
+    seed = 11000 + r + m + rows
+    x = _make_rows(m, r, seed).t().contiguous()
+    ref = fp8.quantize_cols(torch.nn.functional.pad(x, (0, 0, 0, rows - r)))
+    poison_cached_memory(0xFF)
+    got = quantize_cols_transposed_fp8(x, rows=rows)
+    _assert_transposed_equal(got, ref, f"padded [{r}, {m}] -> {rows} rows seed={seed}")
+    assert (got[0][:, r:].view(torch.uint8) == 0).all()
+
+
+@requires_hopper
+def test_quantize_cols_transposed_gather_out_of_range_tokens_read_zeros(prebuilt):
+    x = _make_rows(4, 256, 41)
+    # top_k 2: tokens 0, 3, 4 (past the end), 50 (past), padding, 1; 10 more padding rows (16 in all)
+    row_to_slot = torch.tensor([0, 7, 8, 100, -1, 3] + [-1] * 10, dtype=torch.int32, device=DEVICE)
+    assert row_to_slot.shape[0] == 16
+    pool = torch.zeros(16, 256, dtype=torch.bfloat16, device=DEVICE)
+    for r, token in enumerate([0, 3, None, None, None, 1]):
+        if token is not None:
+            pool[r] = x[token]
+    got = quantize_cols_transposed_fp8(x, gather=(row_to_slot, 2))
+    _assert_transposed_equal(got, fp8.quantize_cols(pool), "out-of-range tokens")
+
+
+@requires_hopper
+def test_quantize_cols_transposed_into_given_outputs_and_views(prebuilt):
+    seed = 43
+    base = _make_rows(704, 2 * 264, seed)
+    x = base[:, 264:]  # a strided view: copied to a contiguous tensor first
+    ref = fp8.quantize_cols(x)
+    out = torch.full((264, 704), 0xFF, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    scale_out = torch.full((264, 6), float("nan"), device=DEVICE)
+    data, scale = quantize_cols_transposed_fp8(x, out=out, scale_out=scale_out)
+    assert data is out and scale is scale_out
+    _assert_transposed_equal((data, scale), ref, f"out= strided seed={seed}")
+
+
+@requires_cuda
+def test_quantize_cols_transposed_rejects_bad_inputs():
+    x = torch.zeros(40, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="x: 40 rows, expected a multiple of 16 .*pass rows= to pad"):
+        quantize_cols_transposed_fp8(x)
+    with pytest.raises(ValueError, match="x: 24 pool rows, expected a multiple of 16"):
+        quantize_cols_transposed_fp8(x, gather=(torch.zeros(24, dtype=torch.int32, device=DEVICE), 1))
+    for rows in (32, 40, 50, 48.0, True, 2 ** 31):
+        with pytest.raises(ValueError, match=f"rows={rows!r}: expected an int multiple of 16, at least the 40 rows"):
+            quantize_cols_transposed_fp8(x, rows=rows)
+    with pytest.raises(ValueError, match=r"out: got .*expected a torch.float8_e4m3fn tensor of shape \(128, 48\)"):
+        quantize_cols_transposed_fp8(x, rows=48, out=torch.empty(128, 40, dtype=torch.float8_e4m3fn, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out: got .*expected a torch.float8_e4m3fn tensor of shape \(128, 32\)"):
+        quantize_cols_transposed_fp8(x[:32], out=torch.empty(32, 128, dtype=torch.float8_e4m3fn, device=DEVICE))
+    with pytest.raises(ValueError, match=r"scale_out: got .*expected a torch.float32 tensor of shape \(128, 1\)"):
+        quantize_cols_transposed_fp8(x[:32], scale_out=torch.empty(1, 128, device=DEVICE))
+    with pytest.raises(ValueError, match="gather: top_k=0, expected a positive int"):
+        quantize_cols_transposed_fp8(x[:32], gather=(torch.zeros(32, dtype=torch.int32, device=DEVICE), 0))
+
+
 # -- argument checks -------------------------------------------------------------------------------
 
 
@@ -347,6 +560,11 @@ def test_rejects_host_tensors():
         quantize_cols_fp8(x)
     with pytest.raises(ValueError, match="h: expected a CUDA tensor"):
         swiglu_forward_fp8(torch.zeros(4, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        quantize_cols_transposed_fp8(x)
+    with pytest.raises(ValueError, match="h: expected a CUDA tensor"):
+        swiglu_backward_fp8(torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(4, 128, dtype=torch.bfloat16),
+                            torch.zeros(4))
     with pytest.raises(ValueError, match="x: expected a CUDA tensor, got list"):
         quantize_rows_fp8([[1.0]])
 

@@ -14,8 +14,13 @@ elements stored as NaN (0x7f), ragged last tiles covering the remaining elements
   ``quantize_rows(gather_rows(x, row_to_slot, top_k))`` without the bf16 pool.
 - :func:`quantize_cols_fp8`: ``x [R, M]`` -> ``(data [R, M], scale [ceil(R/128), M])``, 128-row
   tiles from row 0 (in the routed pool every expert starts on a multiple of 128).
+- :func:`quantize_cols_transposed_fp8`: ``x [R, M]`` (or the gathered pool) -> ``(data [M, R],
+  scale [M, ceil(R/128)])``, ``quantize_cols``' data and scales transposed: the K-major operands
+  of ``k_grouped_fp8_gemm_nt_contiguous``. R must be a multiple of 16.
 - :func:`swiglu_forward_fp8`: ``h [P, 2I]`` -> the rows of ``act = swiglu_forward(h, clamp)`` (the
   JIT kernel's bf16 act) quantized, optionally with act itself.
+- :func:`swiglu_backward_fp8`: ``jit_kernels.swiglu_backward`` (same bits) that also quantizes its
+  bf16 dh 1x128 along 2I (I must be a multiple of 128).
 
 Rows need a multiple of 8 elements (16-byte vectors).
 """
@@ -27,7 +32,7 @@ import torch
 
 from .. import jit
 from ..jit import KernelArg
-from .swiglu import _check_clamp
+from .swiglu import _check_backward_args, _check_clamp
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -52,6 +57,18 @@ _ROW_ARGS = (
 )
 _COL_ARGS = (KernelArg("x", "const __nv_bfloat16*"), KernelArg("data", "unsigned char*"),
              KernelArg("scale", "float*"), KernelArg("num_rows", "unsigned int"), KernelArg("cols", "unsigned int"))
+_COL_T_ARGS = (KernelArg("x", "const __nv_bfloat16*"), KernelArg("row_to_slot", "const int*", nullable=True),
+               KernelArg("data", "unsigned char*"), KernelArg("scale", "float*"), KernelArg("num_rows", "unsigned int"),
+               KernelArg("out_rows", "unsigned int"), KernelArg("cols", "unsigned int"),
+               KernelArg("top_k", "unsigned int"), KernelArg("num_tokens", "unsigned int"))
+#: Columns one CTA step of the transposing column kernel covers (128 rows x this).
+_COL_T_BLOCK_COLS = 64
+_SWIGLU_BWD_ARGS = (
+    KernelArg("h", "const __nv_bfloat16*"), KernelArg("da", "const __nv_bfloat16*"),
+    KernelArg("row_weight", "const float*"), KernelArg("dh", "__nv_bfloat16*"), KernelArg("dweight", "float*"),
+    KernelArg("act_w", "__nv_bfloat16*"), KernelArg("dh_data", "unsigned char*"), KernelArg("dh_scale", "float*"),
+    KernelArg("num_rows", "unsigned int"), KernelArg("inter", "unsigned int"), KernelArg("clamp", "float"),
+)
 
 _SOURCES = {"rows": "kRows", "gather": "kGather", "swiglu": "kSwiglu"}
 
@@ -70,10 +87,19 @@ _ROWS = {
 _COLS = ("fp8_quant_cols", _INCLUDE + (f"template __global__ void dge::quantize_cols_kernel<{COL_ROWS_PER_THREAD}>"
                                         f"({jit.render_types(_COL_ARGS)});\n"))
 
+_COLS_T = {gather: (f"fp8_quant_cols_t{'_gather' if gather else ''}",
+                    _INCLUDE + (f"template __global__ void dge::quantize_cols_t_kernel<{'true' if gather else 'false'}>"
+                                f"({jit.render_types(_COL_T_ARGS)});\n"))
+           for gather in (False, True)}
+_SWIGLU_BWD = {clamp: (f"fp8_quant_swiglu_bwd_{'clamp' if clamp else 'plain'}",
+                       _INCLUDE + ("template __global__ void dge::swiglu_backward_fp8_kernel"
+                                   f"<{'true' if clamp else 'false'}>({jit.render_types(_SWIGLU_BWD_ARGS)});\n"))
+               for clamp in (False, True)}
+
 
 @jit.register("fp8_quant")
 def configs():
-    return [(name, code, False) for name, code in [*_ROWS.values(), _COLS]]
+    return [(name, code, False) for name, code in [*_ROWS.values(), _COLS, *_COLS_T.values(), *_SWIGLU_BWD.values()]]
 
 
 def num_blocks(size: int) -> int:
@@ -250,3 +276,87 @@ def quantize_cols_fp8(x: torch.Tensor, *, out: torch.Tensor | None = None,
                 _COLS[0], _COL_ARGS, x=x[start:stop], data=data[start:stop],
                 scale=scale[start // FP8_BLOCK:num_blocks(stop)], num_rows=stop - start, cols=cols))
     return data, scale
+
+
+def quantize_cols_transposed_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | None = None,
+                                 rows: int | None = None, out: torch.Tensor | None = None,
+                                 scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 tiles down each column, written transposed: ``x [R, M]`` bf16 ->
+    ``(data [M, R] e4m3, scale [M, ceil(R/128)] fp32)``, bit for bit
+    ``recipes.fp8.quantize_cols(x)`` with data and scales transposed (``.t().contiguous()``): the
+    K-major operand ``at_q, sa`` (or ``bt_q, sb``) of ``k_grouped_fp8_gemm_nt_contiguous`` for a
+    pool ``x``. Tile i covers rows [128 i, 128 i + 128) (in the routed pool every expert starts on a
+    multiple of 128). M must be a multiple of 8.
+
+    ``rows``: the output's row count R' (default R), a multiple of 16 (16-byte rows of e4m3) and at
+    least R: x is quantized as if zero-padded to R' rows (data ``[M, R']``, scale
+    ``[M, ceil(R'/128)]``; the padding's bytes are zeros and change no scale of a tile that has real
+    rows). A routed pool has ``T*K + E*127`` rows, so the K-grouped GEMM (P % 16 == 0) takes it
+    padded to the next multiple of 16.
+
+    ``gather=(row_to_slot, top_k)`` quantizes the pool ``[P, M]`` (P = ``row_to_slot.shape[0]``) whose
+    row r is ``x[row_to_slot[r] // top_k]``, zeros where ``row_to_slot[r] < 0`` or the token is out of
+    range (``jit_kernels.gather_rows``' pool), without building it. ``out`` / ``scale_out``: contiguous
+    tensors of exactly the output's shape and dtype to write into (``out`` 16-byte aligned)."""
+    x = _check_bf16_input("x", x)
+    row_to_slot = top_k = None
+    if gather is not None:
+        row_to_slot, top_k = _check_gather(gather, x.device)
+    in_rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    cols = x.shape[1]
+    what = "pool rows" if gather is not None else "rows"
+    if rows is None:
+        rows = in_rows
+        if rows % 16:
+            raise ValueError(f"x: {rows} {what}, expected a multiple of 16 (the transposed output's rows are "
+                             f"16-byte vectors of e4m3); pass rows= to pad")
+    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < in_rows or rows % 16 or rows >= 2 ** 31:
+        raise ValueError(f"rows={rows!r}: expected an int multiple of 16, at least the {in_rows} {what} of x and "
+                         f"below 2**31")
+    data = _output("out", out, (cols, rows), FP8_DTYPE, x.device, 16)
+    scale = _output("scale_out", scale_out, (cols, num_blocks(rows)), torch.float32, x.device, 4)
+    if rows == 0 or cols == 0:
+        return data, scale
+    blocks = num_blocks(rows) * -(-cols // _COL_T_BLOCK_COLS)
+    if blocks > _MAX_ITEMS:
+        raise ValueError(f"x: {rows} rows x {cols} columns make {blocks} blocks of 128 x {_COL_T_BLOCK_COLS}, "
+                         f"expected at most {_MAX_ITEMS}")
+    config = _COLS_T[row_to_slot is not None]
+    kernel = jit.build(*config)
+    with jit.device_guard(x):
+        kernel.launch(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), jit.pack_args(
+            config[0], _COL_T_ARGS, x=x, row_to_slot=row_to_slot, data=data, scale=scale, num_rows=in_rows,
+            out_rows=rows, cols=cols, top_k=1 if top_k is None else top_k, num_tokens=x.shape[0]))
+    return data, scale
+
+
+def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor, clamp: float | None = None):
+    """``jit_kernels.swiglu_backward(h, da, row_weight, clamp)`` bit for bit, ``(dh [P, 2I] bf16,
+    dweight [P] fp32, act_w [P, I] bf16)``, plus dh quantized 1x128 along 2I, ``(dh_data [P, 2I]
+    e4m3, dh_scale [P, 2I/128] fp32)``, bit for bit ``recipes.fp8.quantize_rows(dh)`` (the operand
+    of the L1 data gradient), in the same pass: returns ``(dh, dweight, act_w, dh_data, dh_scale)``.
+    I must be a multiple of 128 (no tile straddles the gate and up halves of dh)."""
+    h, da, row_weight = _check_backward_args(h, da, row_weight)
+    c = _check_clamp(clamp)
+    rows, inter = h.shape[0], h.shape[1] // 2
+    if rows >= 2 ** 31 or h.shape[1] >= 2 ** 31:
+        raise ValueError(f"h: shape {tuple(h.shape)}, expected fewer than 2**31 rows and columns")
+    if inter % FP8_BLOCK:
+        raise ValueError(f"h: shape {tuple(h.shape)}, I={inter}; expected I a multiple of {FP8_BLOCK} so that dh's "
+                         f"1x{FP8_BLOCK} tiles do not straddle its gate and up halves")
+    dh = torch.empty_like(h)
+    dweight = torch.empty(rows, dtype=torch.float32, device=h.device)
+    act_w = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device)
+    dh_data = torch.empty(rows, 2 * inter, dtype=FP8_DTYPE, device=h.device)
+    dh_scale = torch.empty(rows, num_blocks(2 * inter), dtype=torch.float32, device=h.device)
+    if rows == 0:
+        return dh, dweight, act_w, dh_data, dh_scale
+    if inter == 0:
+        return dh, dweight.zero_(), act_w, dh_data, dh_scale
+    config = _SWIGLU_BWD[clamp is not None]
+    kernel = jit.build(*config)
+    with jit.device_guard(h):
+        kernel.launch(_grid(kernel, -(-rows // _WARPS), h.device), (_THREADS, 1, 1), jit.pack_args(
+            config[0], _SWIGLU_BWD_ARGS, h=h, da=da, row_weight=row_weight, dh=dh, dweight=dweight, act_w=act_w,
+            dh_data=dh_data, dh_scale=dh_scale, num_rows=rows, inter=inter, clamp=c))
+    return dh, dweight, act_w, dh_data, dh_scale

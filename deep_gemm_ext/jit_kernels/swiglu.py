@@ -56,6 +56,24 @@ def _check_bf16_matrix(label: str, tensor, cols_multiple: int) -> None:
                          f"{cols_multiple} (16-byte vectors)")
 
 
+def _check_backward_args(h, da, row_weight):
+    """The SwiGLU backward's inputs checked (h [P, 2I] and da [P, I] bf16, row_weight [P] fp32, one
+    device), made contiguous."""
+    _check_bf16_matrix("h", h, 16)
+    _check_bf16_matrix("da", da, 8)
+    rows, inter = h.shape[0], h.shape[1] // 2
+    if tuple(da.shape) != (rows, inter):
+        raise ValueError(f"da: shape {tuple(da.shape)}, expected ({rows}, {inter}) to match h {tuple(h.shape)}")
+    if not isinstance(row_weight, torch.Tensor) or row_weight.dtype != torch.float32 or \
+            tuple(row_weight.shape) != (rows,) or row_weight.device != h.device:
+        raise ValueError(f"row_weight: expected a float32 tensor of shape ({rows},) on {h.device}, got "
+                         f"{getattr(row_weight, 'dtype', type(row_weight).__name__)} "
+                         f"{tuple(getattr(row_weight, 'shape', ()))} on {getattr(row_weight, 'device', None)}")
+    if da.device != h.device:
+        raise ValueError(f"da: on {da.device}, expected {h.device} like h")
+    return h.contiguous(), da.contiguous(), row_weight.contiguous()
+
+
 def _grid(work_items: int, items_per_cta: int, device) -> tuple[int, int, int]:
     return (max(1, min(-(-work_items // items_per_cta), jit.num_sms(device) * _CTAS_PER_SM)), 1, 1)
 
@@ -84,20 +102,9 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
     act = silu(min(g, c)) * clamp(u, -c, c) goes to dh (clamp masks pass at equality), and
     act_w = w * act, both rounded to bf16.
     """
-    _check_bf16_matrix("h", h, 16)
-    _check_bf16_matrix("da", da, 8)
+    h, da, row_weight = _check_backward_args(h, da, row_weight)
     c = _check_clamp(clamp)
     rows, inter = h.shape[0], h.shape[1] // 2
-    if tuple(da.shape) != (rows, inter):
-        raise ValueError(f"da: shape {tuple(da.shape)}, expected ({rows}, {inter}) to match h {tuple(h.shape)}")
-    if not isinstance(row_weight, torch.Tensor) or row_weight.dtype != torch.float32 or \
-            tuple(row_weight.shape) != (rows,) or row_weight.device != h.device:
-        raise ValueError(f"row_weight: expected a float32 tensor of shape ({rows},) on {h.device}, got "
-                         f"{getattr(row_weight, 'dtype', type(row_weight).__name__)} "
-                         f"{tuple(getattr(row_weight, 'shape', ()))} on {getattr(row_weight, 'device', None)}")
-    if da.device != h.device:
-        raise ValueError(f"da: on {da.device}, expected {h.device} like h")
-    h, da, row_weight = h.contiguous(), da.contiguous(), row_weight.contiguous()
     dh = torch.empty_like(h)
     dweight = torch.empty(rows, dtype=torch.float32, device=h.device)
     act_w = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device)

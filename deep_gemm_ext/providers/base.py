@@ -8,6 +8,8 @@ padded to the provider's ``row_alignment``. Two GEMM shapes cover the whole laye
     k_grouped(a, b, meta)         out[e] = a_e.T @ b_e                     weight gradients
 
 and each may carry, where ``supports`` says so:
+- under the fp8 recipe, an operand already quantized 1x128 along K (:class:`Fp8Rows`, where the
+  provider's ``takes_fp8_rows``): the M-grouped GEMM reads it as it is, no quantization pass;
 - a gathered operand (:class:`Gather`): ``a`` (or ``b``) is a token matrix [T, C] and pool row r reads
   its row ``row_to_slot[r] // top_k`` (zeros for padding rows), so no pool is built;
 - an epilogue other than the plain store: :class:`ScatterSlots` (rows into top-k slot order, for the
@@ -30,6 +32,13 @@ class Gather(NamedTuple):
     row_to_slot: torch.Tensor
     top_k: int
     mode: str = "cp_async"
+
+
+class Fp8Rows(NamedTuple):
+    """An M-grouped GEMM's operand ``a [P, K]`` already quantized 1x128 along K
+    (``recipes.fp8.quantize_rows``' layout): e4m3 ``data [P, K]``, fp32 ``scale [P, ceil(K/128)]``."""
+    data: torch.Tensor
+    scale: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,12 @@ class GemmProvider:
     recipes: tuple[str, ...] = ("bf16",)
     #: The M-grouped GEMM takes a :class:`Gather` operand.
     gathers: bool = False
+    #: Under the fp8 recipe the M-grouped GEMM takes an :class:`Fp8Rows` operand.
+    takes_fp8_rows: bool = False
+    #: Under the fp8 recipe every operand the provider quantizes itself (the M-grouped GEMMs' rows,
+    #: the fp8 weight gradients' columns) is quantized by a kernel that gathers the token rows, so a
+    #: gathered operand costs no more than a pool.
+    fp8_quantizers_gather: bool = False
 
     def configured(self, *, gemm_schedule: str) -> "GemmProvider":
         """This provider with the plan's launch settings (only the SM90 kernels have any)."""

@@ -1,16 +1,18 @@
 """Our SM90 grouped GEMMs (deep_gemm_ext.jit_kernels): every epilogue and the gathering prologue in
 bf16; under the fp8 recipe the blockwise-fp8 M-grouped GEMM (store and slot-scatter epilogues) on
 operands quantized 1x128 by the quantization kernels (a gathered operand is quantized straight into
-the pool) and the weight cache's 128x128-block copies, and bf16 weight gradients (the plan's default
-under this provider: there is no fp8 K-grouped kernel; an explicit DGE_FP8_WGRAD=fp8 runs them as the
-torch emulation)."""
+the pool; an :class:`Fp8Rows` operand, dh from the SwiGLU backward, is read as it is) and the weight
+cache's 128x128-block copies, and weight gradients in bf16 (the plan's default under this provider)
+or, with DGE_FP8_WGRAD=fp8, on the fp8 K-grouped GEMM over operands quantized 128x1 along the
+tokens and transposed by one kernel each (a gathered operand straight from the token rows)."""
 from __future__ import annotations
 
 import functools
 
-from ..recipes import fp8 as _fp8
+import torch
+
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
-from .base import GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .base import Fp8Rows, GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
 
 try:
     from .. import jit_kernels as _kernels
@@ -39,6 +41,8 @@ class Sm90Provider(GemmProvider):
     row_alignment = TOKEN_GROUP_ALIGNMENT
     recipes = ("bf16", "fp8")
     gathers = True
+    takes_fp8_rows = True
+    fp8_quantizers_gather = True
 
     def __init__(self, schedule: str = "cooperative"):
         self.schedule = schedule
@@ -77,7 +81,11 @@ class Sm90Provider(GemmProvider):
         k = _kernels
         if epilogue is not None and not isinstance(epilogue, ScatterSlots):
             raise ValueError(f"epilogue={type(epilogue).__name__}: the fp8 GEMM stores or scatters to slots only")
-        if gather is not None:
+        if isinstance(a, Fp8Rows):
+            if gather is not None:
+                raise ValueError("an Fp8Rows operand is the pool itself: it takes no gather")
+            a_q, sa = a
+        elif gather is not None:
             a_q, sa = k.quantize_rows_fp8(a, gather=(gather.row_to_slot, gather.top_k))
         else:
             a_q, sa = k.quantize_rows_fp8(a)
@@ -87,15 +95,18 @@ class Sm90Provider(GemmProvider):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
                                                     mainloop=_FP8_MAINLOOP)
-        out = a.new_zeros(meta.num_pool_rows, b_q.shape[1]) if zero_unowned else None
+        out = a_q.new_zeros(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16) if zero_unowned else None
         return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP)
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8 and recipe.fp8_wgrad:
-            # Column-quantized operands: the torch emulation (no fp8 K-grouped kernel).
-            a = _kernels.gather_rows(a, gather_a.row_to_slot, gather_a.top_k) if gather_a is not None else a
-            b = _kernels.gather_rows(b, gather_b.row_to_slot, gather_b.top_k) if gather_b is not None else b
-            return _fp8.emulated_k_grouped(a, b, meta.starts, meta.ends, True)
+            # Operands quantized 128x1 along the tokens, transposed K-major: at [M, P'], bt [N, P'], the
+            # pool zero-padded to P' = P rounded up to 16 rows (16-byte rows of e4m3 for TMA).
+            k = _kernels
+            rows = -(-meta.num_pool_rows // 16) * 16
+            at_q, sa = k.quantize_cols_transposed_fp8(a, gather=None if gather_a is None else gather_a[:2], rows=rows)
+            bt_q, sb = k.quantize_cols_transposed_fp8(b, gather=None if gather_b is None else gather_b[:2], rows=rows)
+            return k.k_grouped_fp8_gemm_nt_contiguous(at_q, sa, bt_q, sb, meta.starts, meta.ends)
         ga, a = _gather(gather_a, a)
         gb, b = _gather(gather_b, b)
         return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb,

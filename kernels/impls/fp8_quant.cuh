@@ -9,8 +9,9 @@
 //                                         saturation never triggers; see fp8_quotient)
 //   data  = 0x7f (NaN)                   for a NaN / +Inf / -Inf element
 // Tiles: 1x128 along each row (quantize_rows_kernel: plain rows, gathered pool rows, or SwiGLU
-// rows), 128x1 down each column (quantize_cols_kernel). A ragged last tile covers the remaining
-// elements only. Every row has a multiple of 8 elements (16-byte bf16 vectors).
+// rows; swiglu_backward_fp8_kernel: the dh of the SwiGLU backward), 128x1 down each column
+// (quantize_cols_kernel; quantize_cols_t_kernel writes the transpose). A ragged last tile covers
+// the remaining elements only. Every row has a multiple of 8 elements (16-byte bf16 vectors).
 #include <common/utils.cuh>
 #include <impls/swiglu.cuh>
 
@@ -216,6 +217,84 @@ quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict_
 }
 
 // ---------------------------------------------------------------------------------------------
+// SwiGLU backward with dh also quantized 1x128 along its 2I columns (the operand of the L1 data
+// gradient), from the bf16-rounded dh it stores: swiglu_backward_kernel's arithmetic (the same
+// element function, lanes on the same vectors, the same dweight reduction order) and the row
+// quantizer's scale rule. One warp per row; inter is a multiple of 128, so a half warp's 16 vectors
+// are one whole tile of the gate half or of the up half, and no tile straddles the two.
+
+// Quantizes one 1x128 tile held by a half warp (one bf16x8 vector a lane, zeros where !ok; all 32
+// lanes call it): data at `data` (this lane's 8 bytes), the scale at `scale` (by the half's first lane).
+__device__ __forceinline__ void quantize_half_warp_tile(const uint4& v, bool ok, unsigned char* data, float* scale) {
+    u32 amax = half_warp_max(max_of_halves(abs_max_bf16x8(v)));
+    if (__any_sync(kFullMask, amax >= kBf16NonFinite))  // a NaN / Inf in the warp's tiles: finite only
+        amax = half_warp_max(max_of_halves(finite_abs_max_bf16x8(v)));
+    const float s = fp8_scale_of(amax);
+    const Fp8Divisor d = fp8_divisor(s);
+    const Fp8Divisor d8[kBf16PerVec] = {d, d, d, d, d, d, d, d};
+    if (ok) {
+        *reinterpret_cast<uint2*>(data) = quantize_bf16x8(v, d8);
+        if (lane_id() % kFp8TileLanes == 0)
+            *scale = s;
+    }
+}
+
+template <bool kClamp>
+__global__ void __launch_bounds__(kFp8QuantThreads)
+swiglu_backward_fp8_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ da,
+                           const float* __restrict__ row_weight, __nv_bfloat16* __restrict__ dh,
+                           float* __restrict__ dweight, __nv_bfloat16* __restrict__ act_w,
+                           unsigned char* __restrict__ dh_data, float* __restrict__ dh_scale, u32 rows, u32 cols_half,
+                           float clamp) {
+    grid_dependency_wait();
+    const i64 num_rows = rows;
+    const int inter = static_cast<int>(cols_half);
+    const int vecs_per_row = inter / kBf16PerVec;  // a multiple of 16
+    const int tiles_per_row = 2 * inter / kFp8Block;
+    const int lane = lane_id();
+    const i64 num_warps = static_cast<i64>(gridDim.x) * kFp8QuantWarps;
+    for (i64 row = static_cast<i64>(blockIdx.x) * kFp8QuantWarps + warp_id(); row < num_rows; row += num_warps) {
+        const float w = row_weight[row];
+        const __nv_bfloat16* h_row = h + row * (2 * inter);
+        const __nv_bfloat16* da_row = da + row * inter;
+        unsigned char* data_row = dh_data + row * (2 * inter);
+        float* scale_row = dh_scale + row * tiles_per_row;
+        float partial = 0.0f;
+        // Uniform trip count (the tile reductions shuffle over the warp); a lane past the row holds
+        // zeros, and such lanes make up whole half warps.
+        for (int base = 0; base < vecs_per_row; base += kWarpSize) {
+            const int v = base + lane;
+            const bool ok = v < vecs_per_row;
+            const int col = v * kBf16PerVec;
+            uint4 dg_bits = make_uint4(0, 0, 0, 0), du_bits = make_uint4(0, 0, 0, 0);
+            if (ok) {
+                float g[kBf16PerVec], u[kBf16PerVec], d[kBf16PerVec];
+                float dg[kBf16PerVec], du[kBf16PerVec], aw[kBf16PerVec];
+                unpack_bf16x8(load_stream_v4(h_row + col), g);
+                unpack_bf16x8(load_stream_v4(h_row + inter + col), u);
+                unpack_bf16x8(load_stream_v4(da_row + col), d);
+#pragma unroll
+                for (int i = 0; i < kBf16PerVec; ++i)
+                    swiglu_backward_element<kClamp>(g[i], u[i], d[i], w, clamp, partial, dg[i], du[i], aw[i]);
+                dg_bits = pack_bf16x8(dg);
+                du_bits = pack_bf16x8(du);
+                store_v4(dh + row * (2 * inter) + col, dg_bits);
+                store_v4(dh + row * (2 * inter) + inter + col, du_bits);
+                store_v4(act_w + row * inter + col, pack_bf16x8(aw));
+            }
+            // Vector v is in tile v / 16 of the gate half, tile (vecs_per_row + v) / 16 of the row.
+            const int tile = v / kFp8TileLanes;
+            quantize_half_warp_tile(dg_bits, ok, data_row + col, scale_row + tile);
+            quantize_half_warp_tile(du_bits, ok, data_row + inter + col,
+                                    scale_row + vecs_per_row / kFp8TileLanes + tile);
+        }
+        partial = warp_sum(partial);
+        if (lane == 0)
+            dweight[row] = partial;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // 128x1 tiles down the columns. One CTA step covers 128 rows x kColVecs * 8 columns: thread
 // (row group rg = tid / kColVecs, column vector cv = tid % kColVecs) holds kRowsPerThread rows of
 // 8 columns (16 bytes each), so a warp's load covers 32 / kColVecs row segments of kColVecs * 16
@@ -335,6 +414,118 @@ quantize_cols_kernel(const __nv_bfloat16* __restrict__ x, unsigned char* __restr
                                        fp8_scale_of(m.y & 0xffffu), fp8_scale_of(m.y >> 16));
             scale_out[1] = make_float4(fp8_scale_of(m.z & 0xffffu), fp8_scale_of(m.z >> 16),
                                        fp8_scale_of(m.w & 0xffffu), fp8_scale_of(m.w >> 16));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 128x1 tiles down the columns, written transposed (the K-major operands of the K-grouped fp8
+// GEMM): x [num_rows, cols] (or the gathered pool: row r is x[row_to_slot[r] / top_k], zeros where
+// the slot is < 0 or the token out of range), zero-padded to out_rows >= num_rows rows -> data
+// [cols, out_rows] e4m3 and scale [cols, ceil(out_rows / 128)], i.e. quantize_cols_kernel's bytes
+// and scales of the padded x, transposed.
+// One CTA step covers 128 rows x 64 columns: thread (row group rg = tid / 8, column vector
+// cv = tid % 8) loads rows 4 rg .. 4 rg + 3 of columns 8 cv .. 8 cv + 7 (a warp's load covers 4 row
+// segments of 128 bytes); the column amaxes are reduced as in quantize_cols_kernel; each column's
+// four quantized bytes go to shared memory as one word, transposed (column c's 32 words at c * 32,
+// word w at w ^ (4 * (c / 8)): conflict-free word stores, 16-byte loads stay contiguous), and
+// leave as 16-byte segments of the output rows (8 lanes per 128 bytes). out_rows is a multiple of
+// 16, so a segment is wholly inside or past the end.
+constexpr int kFp8ColsTColVecs = 8;
+constexpr int kFp8ColsTRowsPerThread = kFp8Block * kFp8ColsTColVecs / kFp8QuantThreads;
+constexpr u32 kFp8ColsTBlockCols = kFp8ColsTColVecs * kBf16PerVec;
+static_assert(kFp8ColsTRowsPerThread == 4, "a thread's rows make one 32-bit word per column");
+
+template <bool kGather>
+__global__ void __launch_bounds__(kFp8QuantThreads)
+quantize_cols_t_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict__ row_to_slot,
+                       unsigned char* __restrict__ data, float* __restrict__ scale, u32 num_rows, u32 out_rows,
+                       u32 cols, u32 top_k, u32 num_tokens) {
+    constexpr int kWordsPerCol = kFp8Block / 4;
+    __shared__ uint4 smem_amax[kFp8QuantWarps][kFp8ColsTColVecs];
+    __shared__ __align__(16) u32 smem_t[kFp8ColsTBlockCols * kWordsPerCol];
+    grid_dependency_wait();
+    const u32 row_blocks = (out_rows + kFp8Block - 1) / kFp8Block;
+    const u32 col_blocks = (cols + kFp8ColsTBlockCols - 1) / kFp8ColsTBlockCols;
+    const u32 num_blocks = row_blocks * col_blocks;
+    const u32 cv = threadIdx.x % kFp8ColsTColVecs;
+    const u32 rg = threadIdx.x / kFp8ColsTColVecs;
+    for (u32 block = blockIdx.x; block < num_blocks; block += gridDim.x) {
+        const u32 rb = block / col_blocks;
+        const u32 col0 = (block - rb * col_blocks) * kFp8ColsTBlockCols;
+        const u32 col = col0 + cv * kBf16PerVec;
+        const u32 row0 = rb * kFp8Block + rg * kFp8ColsTRowsPerThread;
+        uint4 v[kFp8ColsTRowsPerThread];
+#pragma unroll
+        for (int i = 0; i < kFp8ColsTRowsPerThread; ++i) {
+            const u32 row = row0 + i;
+            v[i] = make_uint4(0, 0, 0, 0);
+            if (col >= cols || row >= num_rows)
+                continue;
+            if constexpr (kGather) {
+                const int slot = __ldg(row_to_slot + row);
+                const u32 token = slot >= 0 ? static_cast<u32>(slot) / top_k : num_tokens;
+                if (token < num_tokens)
+                    v[i] = load_stream_v4(x + static_cast<i64>(token) * cols + col);
+            } else {
+                v[i] = load_stream_v4(x + static_cast<i64>(row) * cols + col);
+            }
+        }
+        uint4 m = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < kFp8ColsTRowsPerThread; ++i) {
+            m.x = __vmaxu2(m.x, v[i].x & 0x7fff7fffu);
+            m.y = __vmaxu2(m.y, v[i].y & 0x7fff7fffu);
+            m.z = __vmaxu2(m.z, v[i].z & 0x7fff7fffu);
+            m.w = __vmaxu2(m.w, v[i].w & 0x7fff7fffu);
+        }
+        // Also the barrier that ends the previous block's reads of smem_amax and smem_t.
+        if (__syncthreads_or(any_half_at_least(m, kBf16NonFinite))) {
+            m = make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int i = 0; i < kFp8ColsTRowsPerThread; ++i) {
+                m.x = __vmaxu2(m.x, finite_abs_bf16x2(v[i].x));
+                m.y = __vmaxu2(m.y, finite_abs_bf16x2(v[i].y));
+                m.z = __vmaxu2(m.z, finite_abs_bf16x2(v[i].z));
+                m.w = __vmaxu2(m.w, finite_abs_bf16x2(v[i].w));
+            }
+        }
+        m = cta_column_max<kFp8ColsTColVecs>(m, smem_amax, cv);
+        // Column pair p: rows 0, 1 and rows 2, 3 as (lo, hi) byte pairs, regrouped by column.
+        const u32 words[4] = {m.x, m.y, m.z, m.w};
+        const u32 swizzled = rg ^ (4 * cv);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const Fp8Divisor d_lo = fp8_divisor(fp8_scale_of(words[p] & 0xffffu));
+            const Fp8Divisor d_hi = fp8_divisor(fp8_scale_of(words[p] >> 16));
+            u32 in[kFp8ColsTRowsPerThread];
+#pragma unroll
+            for (int i = 0; i < kFp8ColsTRowsPerThread; ++i)
+                in[i] = p == 0 ? v[i].x : p == 1 ? v[i].y : p == 2 ? v[i].z : v[i].w;
+            const u32 rows01 = quantize_bf16x2(in[0], d_lo, d_hi) | (quantize_bf16x2(in[1], d_lo, d_hi) << 16);
+            const u32 rows23 = quantize_bf16x2(in[2], d_lo, d_hi) | (quantize_bf16x2(in[3], d_lo, d_hi) << 16);
+            const u32 c = cv * kBf16PerVec + 2 * p;
+            smem_t[c * kWordsPerCol + swizzled] = canonical_nan_bytes(__byte_perm(rows01, rows23, 0x6420));
+            smem_t[(c + 1) * kWordsPerCol + swizzled] = canonical_nan_bytes(__byte_perm(rows01, rows23, 0x7531));
+        }
+        if (rg == 0) {
+            // This thread's eight columns' scales (scale is [cols, row_blocks]).
+            for (int k = 0; k < kBf16PerVec; ++k)
+                if (col + k < cols)
+                    scale[static_cast<i64>(col + k) * row_blocks + rb] =
+                        fp8_scale_of(k % 2 ? words[k / 2] >> 16 : words[k / 2] & 0xffffu);
+        }
+        __syncthreads();
+        constexpr int kSegments = kFp8Block / 16;  // 16-byte segments of an output row's 128 bytes
+#pragma unroll
+        for (int q = 0; q < kFp8ColsTBlockCols * kSegments / kFp8QuantThreads; ++q) {
+            const u32 idx = threadIdx.x + q * kFp8QuantThreads;
+            const u32 c = idx / kSegments, j = idx % kSegments;
+            const u32 out_row = rb * kFp8Block + 16 * j;
+            if (col0 + c < cols && out_row < out_rows) {
+                const uint4 seg = *reinterpret_cast<const uint4*>(&smem_t[c * kWordsPerCol + 4 * (j ^ (c / 8))]);
+                store_v4(data + static_cast<i64>(col0 + c) * out_rows + out_row, seg);
+            }
         }
     }
 }

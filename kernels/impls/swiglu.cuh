@@ -29,6 +29,26 @@ __device__ __forceinline__ float swiglu_act(float g, float u, float c) {
     return z * sigmoid(z) * clamp_up<kClamp>(u, c);
 }
 
+// One element of the weighted SwiGLU backward in fp32 (before the bf16 roundings): adds d * act to
+// partial and gives dg, du (the gradient of w * d through act) and w * act. Every backward kernel
+// computes it with this, so all of them agree bit for bit.
+template <bool kClamp>
+__device__ __forceinline__ void swiglu_backward_element(float g, float u, float d, float w, float c, float& partial,
+                                                        float& dg, float& du, float& aw) {
+    const float z = clamp_gate<kClamp>(g, c);
+    const float s = sigmoid(z);
+    const float silu = z * s;
+    const float uc = clamp_up<kClamp>(u, c);
+    const float a = silu * uc;
+    partial += d * a;
+    const float dw = w * d;
+    // torch.clamp's gradient convention: the gradient passes at equality.
+    const float dz = dw * uc * (s * (1.0f + z * (1.0f - s)));
+    dg = !kClamp || g <= c ? dz : 0.0f;
+    du = !kClamp || (u >= -c && u <= c) ? dw * silu : 0.0f;
+    aw = w * a;
+}
+
 // Elementwise: a flat grid-stride loop over 16-byte vectors; (row, col) advance incrementally
 // so the loop holds no 64-bit division.
 template <bool kClamp>
@@ -87,20 +107,8 @@ swiglu_backward_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16*
             unpack_bf16x8(load_stream_v4(h_row + inter + col), u);
             unpack_bf16x8(load_stream_v4(da_row + col), d);
 #pragma unroll
-            for (int i = 0; i < kBf16PerVec; ++i) {
-                const float z = clamp_gate<kClamp>(g[i], clamp);
-                const float s = sigmoid(z);
-                const float silu = z * s;
-                const float uc = clamp_up<kClamp>(u[i], clamp);
-                const float a = silu * uc;
-                partial += d[i] * a;
-                const float dw = w * d[i];
-                // torch.clamp's gradient convention: the gradient passes at equality.
-                const float dz = dw * uc * (s * (1.0f + z * (1.0f - s)));
-                dg[i] = !kClamp || g[i] <= clamp ? dz : 0.0f;
-                du[i] = !kClamp || (u[i] >= -clamp && u[i] <= clamp) ? dw * silu : 0.0f;
-                aw[i] = w * a;
-            }
+            for (int i = 0; i < kBf16PerVec; ++i)
+                swiglu_backward_element<kClamp>(g[i], u[i], d[i], w, clamp, partial, dg[i], du[i], aw[i]);
             store_v4(dh + row * (2 * inter) + col, pack_bf16x8(dg));
             store_v4(dh + row * (2 * inter) + inter + col, pack_bf16x8(du));
             store_v4(act_w + row * inter + col, pack_bf16x8(aw));
