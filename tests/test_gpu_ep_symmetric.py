@@ -12,6 +12,8 @@ import os
 
 # Streams of the emulated ranks need hardware queues of their own (read when CUDA starts).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# Every kernel loaded when CUDA starts: a lazy load synchronizes the device (run_emulated_ranks).
+os.environ["CUDA_MODULE_LOADING"] = "EAGER"
 
 import random  # noqa: E402
 import subprocess  # noqa: E402

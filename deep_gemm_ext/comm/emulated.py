@@ -13,6 +13,9 @@ the regions' flags on the device (their grids are capped so that all of them are
 The layer code is the ordinary one: nothing but the exchange knows the ranks share a GPU.
 Streams share the device's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default): set it
 to at least 2 W before CUDA starts, so that no rank's waiting kernel sits in front of another's.
+``CUDA_MODULE_LOADING=EAGER`` must be set too (run_emulated_ranks refuses to run without it), and
+every registered JIT kernel is loaded before the ranks start: loading a module synchronizes the
+device, which would wait for transport kernels that wait for launches behind the load.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import warnings
 
 import torch
 
-from .. import _env
+from .. import _env, jit
 
 _NAMES = itertools.count()
 
@@ -84,6 +87,17 @@ def emulated_ep_buffers(world_size: int, max_tokens_per_rank: int, hidden: int, 
     return SymmetricEpBuffer._emulated(world_size, max_tokens_per_rank, hidden, top_k, dtype, device, blocks)
 
 
+_PRELOADED: set[int] = set()
+
+
+def _preload_kernels() -> None:
+    """Every registered JIT kernel loaded into this device's context once (see run_emulated_ranks)."""
+    device = torch.cuda.current_device()
+    if device not in _PRELOADED:
+        jit.load_registered()
+        _PRELOADED.add(device)
+
+
 def run_emulated_ranks(fn, world_size: int) -> list:
     """``[fn(0), ..., fn(W - 1)]``, each call on its own host thread and its own CUDA stream (of
     the current device); joins them, re-raises the first exception (by rank), and synchronizes the
@@ -95,6 +109,15 @@ def run_emulated_ranks(fn, world_size: int) -> list:
                       f"{_env.cuda_device_max_connections()} hardware queues for {world_size} ranks' streams; set it "
                       f"to at least {2 * world_size} before CUDA starts, or a waiting rank may hold back another's "
                       f"kernels", RuntimeWarning, stacklevel=2)
+    if _env.cuda_module_loading() != "EAGER":
+        # Loading a module synchronizes the device: a kernel loaded lazily at its first launch, on
+        # any rank's thread (the backward's all run on autograd's one device thread), waits for the
+        # other ranks' transport kernels, which wait for that thread's next launches.
+        raise RuntimeError(f"run_emulated_ranks({world_size}): CUDA_MODULE_LOADING={_env.cuda_module_loading()}; "
+                           f"emulated ranks need CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts "
+                           f"(a lazily loaded kernel synchronizes the device while the ranks' transport kernels "
+                           f"wait on each other)")
+    _preload_kernels()
     device = torch.cuda.current_device()
     origin = torch.cuda.current_stream(device)
     streams = [torch.cuda.Stream(device) for _ in range(world_size)]

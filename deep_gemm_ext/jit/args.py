@@ -31,7 +31,9 @@ _POINTER_DTYPES = {
 # "unsigned int" is uint32_t for sources that include no <cstdint> (NVRTC ships no C++ library).
 _SCALARS = {"uint32_t": ctypes.c_uint32, "unsigned int": ctypes.c_uint32, "float": ctypes.c_float,
             "int": ctypes.c_int32, "unsigned long long": ctypes.c_uint64}
-_INT_RANGES = {ctypes.c_uint32: (0, 2 ** 32), ctypes.c_int32: (-2 ** 31, 2 ** 31), ctypes.c_uint64: (0, 2 ** 64)}
+# (low, high, how an error message writes the range)
+_INT_RANGES = {ctypes.c_uint32: (0, 2 ** 32, "[0, 2**32)"), ctypes.c_int32: (-2 ** 31, 2 ** 31, "[-2**31, 2**31)"),
+               ctypes.c_uint64: (0, 2 ** 64, "[0, 2**64)")}
 CTYPES = (*_POINTER_DTYPES, *_SCALARS, "CUtensorMap")
 
 
@@ -74,9 +76,9 @@ def _pack_one(kernel: str, arg: KernelArg, value):
         return value
     kind = _SCALARS.get(arg.ctype)
     if kind in _INT_RANGES:
-        low, high = _INT_RANGES[kind]
+        low, high, text = _INT_RANGES[kind]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-            raise TypeError(f"{where}: expected an int in [{low}, {high}), got {value!r}")
+            raise TypeError(f"{where}: expected an int in {text}, got {value!r}")
         return kind(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected a float, got {value!r}")

@@ -142,6 +142,13 @@ class Kernel:
             self._kernel = kernels[0]
             self._function = cuda.CUfunction(int(kernels[0]))
 
+    def load(self) -> None:
+        """Load the kernel into the current device's context now rather than at its first launch
+        (loading a module synchronizes the device, which must not happen while kernels that wait on
+        each other run: ranks emulated on one GPU)."""
+        self._load()
+        check(driver().cuKernelGetFunction(self._kernel), "cuKernelGetFunction")
+
     def _check_arch(self, device: int) -> None:
         major, minor = torch.cuda.get_device_capability(device)
         digits = self.arch[3:].rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -277,6 +284,21 @@ def build(name: str, code: str, *, arch: str | None = None) -> Kernel:
     entry = compiler.compile_cached(name, code, arch)
     with _kernels_lock:
         return _kernels.setdefault(key, Kernel(name, entry, arch))
+
+
+def load_registered() -> int:
+    """Build (from the caches where they are) and load every registered kernel configuration into
+    the current device's context; returns how many. Compiles what the disk cache lacks (slow on a
+    cold cache: ``python -m deep_gemm_ext.jit build --all`` first)."""
+    from .. import jit_kernels  # noqa: F401  (registers the configurations)
+    from .registry import registered_configs
+
+    count = 0
+    for configs in registered_configs().values():
+        for config in configs:
+            build(config.name, config.code).load()
+            count += 1
+    return count
 
 
 _sm_counts: dict = {}

@@ -23,6 +23,11 @@ except ImportError:  # no cuda-python: the provider is never chosen (plan.jit_av
 # promotion of the current one) gives the same bits as "serial" and measured 1.03-1.05x on the L1
 # forward, L2 forward and L1 dgrad at Qwen3-30B T16384 (0.96x on the L2 dgrad; docs/perf-notes.md v10).
 _FP8_MAINLOOP = "overlap"
+# Clusters of 2 CTAs (B multicast between adjacent M blocks) for the fp8 GEMMs with the slot-scatter
+# epilogue (the L2 forward and the L1 dgrad): 0.99-1.18x of one CTA with the overlap mainloop at
+# Qwen3-30B T16384 and Qwen3-235B T8192, bits equal (docs/perf-notes.md v11); the other fp8 and the
+# bf16 GEMMs measured 0.89-1.03x and keep one CTA.
+_FP8_SCATTER_CLUSTER = 2
 
 
 def _gather(g: Gather | None, src):
@@ -94,7 +99,7 @@ class Sm90Provider(GemmProvider):
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
-                                                    mainloop=_FP8_MAINLOOP)
+                                                    mainloop=_FP8_MAINLOOP, cluster_n=_FP8_SCATTER_CLUSTER)
         out = a_q.new_zeros(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16) if zero_unowned else None
         return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP)
 
