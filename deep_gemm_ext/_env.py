@@ -170,12 +170,6 @@ def cuda_device_max_connections() -> int:
     return int(raw) if raw.isdigit() else 8
 
 
-def cuda_module_loading() -> str:
-    """CUDA_MODULE_LOADING (the CUDA driver's; torch sets LAZY when it is unset): with LAZY a
-    kernel's module is loaded at its first launch, and loading synchronizes the device."""
-    return os.environ.get("CUDA_MODULE_LOADING", "LAZY").strip().upper()
-
-
 def commit_label() -> str | None:
     """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
     return os.environ.get("DGE_COMMIT") or None

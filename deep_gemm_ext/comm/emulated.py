@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from .. import _env, jit
+from ..jit.driver import module_loading_mode
 
 _NAMES = itertools.count()
 
@@ -109,14 +110,16 @@ def run_emulated_ranks(fn, world_size: int) -> list:
                       f"{_env.cuda_device_max_connections()} hardware queues for {world_size} ranks' streams; set it "
                       f"to at least {2 * world_size} before CUDA starts, or a waiting rank may hold back another's "
                       f"kernels", RuntimeWarning, stacklevel=2)
-    if _env.cuda_module_loading() != "EAGER":
+    torch.cuda.init()
+    loading = module_loading_mode()
+    if loading != "EAGER":
         # Loading a module synchronizes the device: a kernel loaded lazily at its first launch, on
         # any rank's thread (the backward's all run on autograd's one device thread), waits for the
         # other ranks' transport kernels, which wait for that thread's next launches.
-        raise RuntimeError(f"run_emulated_ranks({world_size}): CUDA_MODULE_LOADING={_env.cuda_module_loading()}; "
-                           f"emulated ranks need CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts "
-                           f"(a lazily loaded kernel synchronizes the device while the ranks' transport kernels "
-                           f"wait on each other)")
+        raise RuntimeError(f"run_emulated_ranks({world_size}): the CUDA driver loads modules {loading}; emulated "
+                           f"ranks need CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts (a "
+                           f"lazily loaded kernel synchronizes the device while the ranks' transport kernels wait "
+                           f"on each other), e.g. CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 python ...")
     _preload_kernels()
     device = torch.cuda.current_device()
     origin = torch.cuda.current_stream(device)

@@ -20,3 +20,11 @@ def check(result, what: str):
         name = cuda.cuGetErrorName(err)[1]
         raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name} ({int(err)})")
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def module_loading_mode() -> str:
+    """The driver's module loading mode, "EAGER" or "LAZY" (CUDA_MODULE_LOADING as the driver read
+    it when it started; setting the variable later changes nothing)."""
+    cuda = driver()
+    mode = check(cuda.cuModuleGetLoadingMode(), "cuModuleGetLoadingMode")
+    return "EAGER" if mode == cuda.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING else "LAZY"
