@@ -194,17 +194,16 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class AllToAllExchange:
-    """The four exchange pieces for ``num_local_experts`` experts per rank and a capacity of
-    ``max_tokens_per_rank`` rows from each source; ``fp8_rows``: dispatch sends x's rows in the
-    fp8 recipe's 1x128 format (see the module docstring)."""
+class BlockedExchange:
+    """What the exchanges with the blocked received layout share (module docstring: ``R = W * cap``
+    rows, block s from source rank s): the group's size and rank, the sizes the custom ops' fake
+    implementations ask for, and the routing part of the handle."""
 
-    def __init__(self, group, num_local_experts: int, max_tokens_per_rank: int, fp8_rows: bool = False):
-        self.group = resolve_group(group)
-        if self.group is None:
-            raise TypeError("group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None")
-        self.world_size = self.group.size()
-        self.rank = self.group.rank()
+    def __init__(self, group, world_size: int, rank: int, num_local_experts: int, max_tokens_per_rank: int,
+                 fp8_rows: bool):
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
         self.num_local_experts = int(num_local_experts)
         self.capacity = int(max_tokens_per_rank)
         self.fp8_rows = bool(fp8_rows)
@@ -220,14 +219,26 @@ class AllToAllExchange:
         return self.num_rows
 
     def handle_like(self, x: torch.Tensor, topk_idx: torch.Tensor) -> list[torch.Tensor]:
-        """Empty tensors shaped like dispatch's handle: which ranks each token went to, and the rank
-        owning each slot's expert (-1 for unused slots)."""
+        """Empty tensors shaped like dispatch's handle: which ranks each token went to ``[W, T]``, and
+        the rank owning each slot's expert ``[T, K]`` (-1 for unused slots)."""
         num_tokens, top_k = topk_idx.shape
         return [torch.empty(self.world_size, num_tokens, dtype=torch.bool, device=x.device),
                 torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)]
 
     def num_experts(self, num_local_experts: int) -> int:
         return self.world_size * num_local_experts
+
+
+class AllToAllExchange(BlockedExchange):
+    """The four exchange pieces for ``num_local_experts`` experts per rank and a capacity of
+    ``max_tokens_per_rank`` rows from each source; ``fp8_rows``: dispatch sends x's rows in the
+    fp8 recipe's 1x128 format (see the module docstring)."""
+
+    def __init__(self, group, num_local_experts: int, max_tokens_per_rank: int, fp8_rows: bool = False):
+        group = resolve_group(group)
+        if group is None:
+            raise TypeError("group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None")
+        super().__init__(group, group.size(), group.rank(), num_local_experts, max_tokens_per_rank, fp8_rows)
 
     # -- checks -----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
-from .all_to_all import _DTYPES, fp8_row_bytes, fp8_rows_of, received_rows_of, resolve_group
+from .all_to_all import _DTYPES, BlockedExchange, fp8_row_bytes, fp8_rows_of, received_rows_of, resolve_group
 from .emulated import EmulatedGroup, EmulatedWorld
 
 #: Transport CTAs per launch on real ranks: the exchange runs beside the GEMMs of another stream
@@ -249,38 +249,18 @@ def _accumulate_check(dtype):
         raise TypeError(f"dtype {dtype}: the symmetric exchange sums {list(SUM_DTYPES)}")
 
 
-class SymmetricExchange:
+class SymmetricExchange(BlockedExchange):
     """The four exchange pieces over a :class:`SymmetricEpBuffer` (see the module docstring)."""
 
     def __init__(self, buffer: SymmetricEpBuffer, num_local_experts: int, fp8_rows: bool = False):
+        super().__init__(buffer.group, buffer.world_size, buffer.rank, num_local_experts, buffer.max_tokens_per_rank,
+                         fp8_rows)
         self.buffer = buffer
-        self.group = buffer.group
-        self.world_size = buffer.world_size
-        self.rank = buffer.rank
-        self.num_local_experts = int(num_local_experts)
-        self.capacity = buffer.max_tokens_per_rank
-        self.fp8_rows = bool(fp8_rows)
-
-    @property
-    def num_rows(self) -> int:
-        return self.world_size * self.capacity
-
-    # -- sizes, for the custom ops' fake implementations ----------------------------------------
-
-    def received_rows(self, num_tokens: int) -> int:
-        return self.num_rows
 
     def handle_like(self, x: torch.Tensor, topk_idx: torch.Tensor) -> list[torch.Tensor]:
-        """Empty tensors shaped like dispatch's handle: which ranks each token went to ``[W, T]``,
-        the rank owning each slot's expert ``[T, K]`` (-1: none) and which received rows hold a
-        token for this rank ``[R]``."""
-        num_tokens, top_k = topk_idx.shape
-        return [torch.empty(self.world_size, num_tokens, dtype=torch.bool, device=x.device),
-                torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device),
-                torch.empty(self.num_rows, dtype=torch.bool, device=x.device)]
-
-    def num_experts(self, num_local_experts: int) -> int:
-        return self.world_size * num_local_experts
+        """The routing part of the handle (:meth:`BlockedExchange.handle_like`) and which received
+        rows hold a token for this rank ``[R]``."""
+        return [*super().handle_like(x, topk_idx), torch.empty(self.num_rows, dtype=torch.bool, device=x.device)]
 
     # -- checks -----------------------------------------------------------------------------
 

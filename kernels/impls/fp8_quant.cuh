@@ -326,6 +326,35 @@ __device__ __forceinline__ uint4 cta_column_max(uint4 m, uint4 (&smem)[kFp8Quant
     return m;
 }
 
+// The CTA's per column pair max |v| of one 128-row block (bf16 bits): every thread's kRows vectors v
+// reduced with Inf / NaN included, then, only when a NaN / Inf is in the block, again without them;
+// then across the CTA's row groups (cta_column_max). The __syncthreads_or is also the barrier that
+// ends the previous block's reads of smem (and of any other shared buffer the caller reuses).
+template <int kRows, int kColVecs>
+__device__ __forceinline__ uint4 block_column_amax(const uint4 (&v)[kRows], uint4 (&smem)[kFp8QuantWarps][kColVecs],
+                                                   u32 cv) {
+    uint4 m = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+        m.x = __vmaxu2(m.x, v[i].x & 0x7fff7fffu);
+        m.y = __vmaxu2(m.y, v[i].y & 0x7fff7fffu);
+        m.z = __vmaxu2(m.z, v[i].z & 0x7fff7fffu);
+        m.w = __vmaxu2(m.w, v[i].w & 0x7fff7fffu);
+    }
+    if (__syncthreads_or(any_half_at_least(m, kBf16NonFinite))) {
+        m = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            m.x = __vmaxu2(m.x, finite_abs_bf16x2(v[i].x));
+            m.y = __vmaxu2(m.y, finite_abs_bf16x2(v[i].y));
+            m.z = __vmaxu2(m.z, finite_abs_bf16x2(v[i].z));
+            m.w = __vmaxu2(m.w, finite_abs_bf16x2(v[i].w));
+        }
+    }
+    return cta_column_max<kColVecs>(m, smem, cv);
+}
+
+
 __device__ __forceinline__ bool any_half_at_least(const uint4& m, u32 bound) {
     const u32 b2 = bound * 0x10001u;
     return (__vcmpgeu2(m.x, b2) | __vcmpgeu2(m.y, b2) | __vcmpgeu2(m.z, b2) | __vcmpgeu2(m.w, b2)) != 0;
@@ -359,28 +388,9 @@ quantize_cols_kernel(const __nv_bfloat16* __restrict__ x, unsigned char* __restr
         for (int i = 0; i < kRowsPerThread; ++i)
             v[i] = static_cast<u32>(i) < rows_here ? load_stream_v4(src + static_cast<i64>(i) * cols)
                                                    : make_uint4(0, 0, 0, 0);
-        // Per column pair (bf16 bits): the max |v| with Inf / NaN included, then, only when a NaN / Inf
-        // is in the CTA's block, with them excluded.
-        uint4 m = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-            m.x = __vmaxu2(m.x, v[i].x & 0x7fff7fffu);
-            m.y = __vmaxu2(m.y, v[i].y & 0x7fff7fffu);
-            m.z = __vmaxu2(m.z, v[i].z & 0x7fff7fffu);
-            m.w = __vmaxu2(m.w, v[i].w & 0x7fff7fffu);
-        }
-        // Also the barrier that ends the previous block's reads of smem_amax.
-        if (__syncthreads_or(any_half_at_least(m, kBf16NonFinite))) {
-            m = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int i = 0; i < kRowsPerThread; ++i) {
-                m.x = __vmaxu2(m.x, finite_abs_bf16x2(v[i].x));
-                m.y = __vmaxu2(m.y, finite_abs_bf16x2(v[i].y));
-                m.z = __vmaxu2(m.z, finite_abs_bf16x2(v[i].z));
-                m.w = __vmaxu2(m.w, finite_abs_bf16x2(v[i].w));
-            }
-        }
-        m = cta_column_max<kColVecs>(m, smem_amax, cv);
+        // Per column pair: the block's max |v| (NaN / Inf excluded where present); its barrier also
+        // ends the previous block's reads of smem_amax.
+        const uint4 m = block_column_amax<kRowsPerThread, kColVecs>(v, smem_amax, cv);
         // Column pair p at a time (two divisors live), so the eight columns' divisors need not all
         // be held: out[i] collects row i's eight bytes.
         const u32 words[4] = {m.x, m.y, m.z, m.w};
@@ -471,26 +481,9 @@ quantize_cols_t_kernel(const __nv_bfloat16* __restrict__ x, const int* __restric
                 v[i] = load_stream_v4(x + static_cast<i64>(row) * cols + col);
             }
         }
-        uint4 m = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < kFp8ColsTRowsPerThread; ++i) {
-            m.x = __vmaxu2(m.x, v[i].x & 0x7fff7fffu);
-            m.y = __vmaxu2(m.y, v[i].y & 0x7fff7fffu);
-            m.z = __vmaxu2(m.z, v[i].z & 0x7fff7fffu);
-            m.w = __vmaxu2(m.w, v[i].w & 0x7fff7fffu);
-        }
-        // Also the barrier that ends the previous block's reads of smem_amax and smem_t.
-        if (__syncthreads_or(any_half_at_least(m, kBf16NonFinite))) {
-            m = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int i = 0; i < kFp8ColsTRowsPerThread; ++i) {
-                m.x = __vmaxu2(m.x, finite_abs_bf16x2(v[i].x));
-                m.y = __vmaxu2(m.y, finite_abs_bf16x2(v[i].y));
-                m.z = __vmaxu2(m.z, finite_abs_bf16x2(v[i].z));
-                m.w = __vmaxu2(m.w, finite_abs_bf16x2(v[i].w));
-            }
-        }
-        m = cta_column_max<kFp8ColsTColVecs>(m, smem_amax, cv);
+        // The block's column maxima; its barrier also ends the previous block's reads of smem_amax
+        // and smem_t.
+        const uint4 m = block_column_amax<kFp8ColsTRowsPerThread, kFp8ColsTColVecs>(v, smem_amax, cv);
         // Column pair p: rows 0, 1 and rows 2, 3 as (lo, hi) byte pairs, regrouped by column.
         const u32 words[4] = {m.x, m.y, m.z, m.w};
         const u32 swizzled = rg ^ (4 * cv);
