@@ -149,10 +149,11 @@ def check_ids() -> bool | None:
 
 def ep_timeout_s() -> float:
     """DGE_EP_TIMEOUT_S: seconds a wait of the symmetric-memory exchange spins on a peer's flag
-    before it prints which rank waited on which flag of which peer and traps (default 60)."""
+    before it prints which rank waited on which flag of which peer and traps (default 600, NCCL's
+    default timeout: ranks may be that far apart at a checkpoint or an evaluation)."""
     raw = os.environ.get("DGE_EP_TIMEOUT_S", "").strip()
     if not raw:
-        return 60.0
+        return 600.0
     try:
         value = float(raw)
     except ValueError:

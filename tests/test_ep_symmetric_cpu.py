@@ -164,7 +164,7 @@ def test_emulated_agreement_check_on_the_host():
 
 def test_timeout_knob(monkeypatch):
     monkeypatch.delenv("DGE_EP_TIMEOUT_S", raising=False)
-    assert _env.ep_timeout_s() == 60.0
+    assert _env.ep_timeout_s() == 600.0
     monkeypatch.setenv("DGE_EP_TIMEOUT_S", "2.5")
     assert _env.ep_timeout_s() == 2.5
     assert _fake_buffer().transport().timeout_ns == 2_500_000_000

@@ -139,8 +139,8 @@ def test_deterministic_over_ten_runs(shapes):
 
 
 def test_fp8_recipe_with_fp8_rows(shapes):
-    """recipe="fp8" at W=2: x's rows travel as e4m3 + 1x128 scales; every output's error against
-    fp64 within 1.1x (+1e-3) of the single-process fp8 emulation's."""
+    """recipe="fp8" at W=2: x's rows travel as e4m3 + 1x128 scales; y, dx and d topk_weights within
+    1.1x (+1e-3) of the single-process fp8 emulation's error against fp64, the weights within 1.5x."""
     from deep_gemm_ext.recipes.fp8 import fp8_reference_layer
 
     world, e_loc, seed = 2, 2, _seed()
@@ -162,14 +162,14 @@ def test_fp8_recipe_with_fp8_rows(shapes):
             ref = exact[i][rank] if i < 3 else exact[i][mine]
             if not ref.numel():
                 continue
-            # The receiving rank quantizes the dequantized rows again for its L1 GEMM: on CUDA the
-            # scale of that second quantization can differ from the sender's in its last bit (the
-            # scale rule, comm/all_to_all.py), so the outputs are not the single-process ones; what
-            # is required is the accuracy of the recipe: the error against fp64 within 1.1x of the
-            # single-process emulation's (measured: 1.5% apart from the emulation, whose own error
-            # is ~6%).
+            # Not the single-process numbers: the fp32 emulation keeps h and dh in fp32 where the
+            # layer stores bf16, each rank's partial sums are rounded to bf16 before the rank-order
+            # sum, and dW1 reads the received (dequantized) rows where one process reads x (1.5%
+            # from the emulation on y in one H200 run). What is required is the recipe's accuracy:
+            # y, dx and d topk_weights within 1.1x (+1e-3) of the emulation's error against fp64,
+            # the weight gradients within 1.5x (dW1's operand is the dequantized rows).
             emu = emulated[i][lo:hi] if i < 3 else emulated[i][mine]
-            limit = 1.1 * rel_err(emu, ref) + 1e-3
+            limit = (1.1 if i < 3 else 1.5) * rel_err(emu, ref) + 1e-3
             err = rel_err(got[rank][i], ref)
             assert err <= limit, (f"seed {seed} rank {rank}: {name} error {err:.4g} against fp64, limit {limit:.4g} "
                                   f"(emulation {rel_err(emu, ref):.4g}; vs the emulation {rel_err(got[rank][i], emu):.3g})")

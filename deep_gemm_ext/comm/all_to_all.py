@@ -24,12 +24,13 @@ bytes a row, about half of bf16's), one uint8 buffer, and the receiving rank deq
 x's dtype. This is the quantization point the L1 forward has anyway (x 1x128 along H): quantizing
 the dequantized rows again gives back the same e4m3 data and the same scales, bit for bit (for
 bf16, fp32 and fp64 x: the tile's largest element dequantizes to a value whose amax / 448 is the
-original scale), so the L1 forward and everything after it compute what one process computes. That
-holds where the scale is a true division amax / 448 (the CPU); on CUDA tensors torch and our
-quantization kernels compute it as a product with fl32(1/448), under which a re-quantized scale can
-differ from the sender's in its last bit (recipes/fp8.py; one division per tile everywhere is the
-planned fix). The
-weight gradient dW1 reads the received rows, i.e. x after the 1x128 quantization (then its own
+original scale), so the L1 forward and everything after it compute what one process computes. For bf16 x
+that holds under either scale rule, the true division amax / 448 of the CPU and the product with
+fl32(1/448) that torch and our quantization kernels compute on CUDA tensors (recipes/fp8.py): the
+re-quantized amax is the original one, and bf16's rounding of the dequantized values stays far
+inside half an e4m3 step. For fp32 x on CUDA the product rule can give a re-quantized scale one
+bit off the sender's (the data still equal); one division per tile everywhere would remove that.
+The weight gradient dW1 reads the received rows, i.e. x after the 1x128 quantization (then its own
 128x1 quantization under ``wgrad="fp8"``), where one process reads x itself. The backward's
 exchanges (combine, dispatch_backward) stay in the gradients' dtype.
 

@@ -105,7 +105,7 @@ def run_emulated_ranks(fn, world_size: int) -> list:
     device before returning."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive int")
-    if world_size + 1 > _env.cuda_device_max_connections():
+    if 2 * world_size > _env.cuda_device_max_connections():
         warnings.warn(f"run_emulated_ranks({world_size}): CUDA_DEVICE_MAX_CONNECTIONS="
                       f"{_env.cuda_device_max_connections()} hardware queues for {world_size} ranks' streams; set it "
                       f"to at least {2 * world_size} before CUDA starts, or a waiting rank may hold back another's "
@@ -138,10 +138,11 @@ def run_emulated_ranks(fn, world_size: int) -> list:
             errors[rank] = exc
 
     threads = [threading.Thread(target=body, args=(r,), name=f"emulated-rank-{r}") for r in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with jit.no_loads():
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     for stream in streams:
         origin.wait_stream(stream)
     for exc in errors:

@@ -16,7 +16,7 @@ every peer has read it). The flags carry epochs counted on the device, so nothin
 host and the exchange can be captured in a CUDA graph; every rank must call the pieces in the
 same order (the layer does: dispatch, combine forward; combine_backward, dispatch_backward).
 
-Waits are bounded by ``DGE_EP_TIMEOUT_S`` (default 60 s): a rank whose peer never arrives prints
+Waits are bounded by ``DGE_EP_TIMEOUT_S`` (default 600 s): a rank whose peer never arrives prints
 which flag of which peer it waited on and traps (the CUDA context is lost, as with a device-side
 assertion).
 
@@ -133,8 +133,11 @@ class SymmetricEpBuffer:
         storage = symm.empty(layout.size, dtype=torch.uint8, device=device)
         _init_regions(storage, layout, world)
         handle = symm.rendezvous(storage, group.group_name)
+        # Every region is initialized before any peer raises a flag in it: the barrier is a kernel
+        # on this stream, so the host waits for it too before the first piece can run on another.
         torch.cuda.synchronize(device)
-        handle.barrier()  # every region is initialized before any peer raises a flag in it
+        handle.barrier()
+        torch.cuda.synchronize(device)
         peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self._setup(group, group.rank(), max_tokens_per_rank, hidden, top_k, dtype, layout, storage, peers,
                     DEFAULT_BLOCKS if blocks is None else blocks)
@@ -273,10 +276,12 @@ class SymmetricExchange(BlockedExchange):
         key = (self.num_local_experts, self.fp8_rows, hidden, top_k, dtype, weight_dtype)
         if key in buffer.agreed:
             return
+        # The region's layout too: the buffers' dtypes set the row pitch and so every offset a peer
+        # writes to.
         names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype", "fp8_rows",
-                 "topk_weights dtype")
+                 "topk_weights dtype", "buffer region bytes")
         mine = (self.num_local_experts, self.capacity, hidden, top_k, _DTYPES.index(dtype), int(self.fp8_rows),
-                _DTYPES.index(weight_dtype))
+                _DTYPES.index(weight_dtype), buffer.layout.size)
         if buffer.emulated:
             # The n-th check of every rank meets the n-th of the others (the ranks call alike).
             buffer.agree_round += 1

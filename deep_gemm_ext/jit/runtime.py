@@ -124,6 +124,10 @@ class Kernel:
         with self._load_lock:
             if self._function is not None:
                 return
+            if _loads_forbidden:
+                raise RuntimeError(f"kernel {self.name!r} is not loaded, and loading it now would synchronize the "
+                                   f"device while kernels that wait on each other run (emulated ranks); it is not a "
+                                   f"registered configuration (jit.load_registered loads those beforehand)")
             _require_cuda(f"launching kernel {self.name!r}")
             torch.cuda.init()
             device = torch.cuda.current_device()
@@ -284,6 +288,21 @@ def build(name: str, code: str, *, arch: str | None = None) -> Kernel:
     entry = compiler.compile_cached(name, code, arch)
     with _kernels_lock:
         return _kernels.setdefault(key, Kernel(name, entry, arch))
+
+
+_loads_forbidden = 0
+
+
+@contextlib.contextmanager
+def no_loads():
+    """Within: a kernel that is not loaded yet raises instead of loading (loading a module
+    synchronizes the device, which deadlocks kernels that wait on each other's progress)."""
+    global _loads_forbidden
+    _loads_forbidden += 1
+    try:
+        yield
+    finally:
+        _loads_forbidden -= 1
 
 
 def load_registered() -> int:

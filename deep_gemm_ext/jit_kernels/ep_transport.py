@@ -133,6 +133,15 @@ def publish(transport: Transport, rows: torch.Tensor | None = None, ids: torch.T
             blobs[name] = (blob, blob.numel() * blob.element_size())
         else:
             blobs[name] = (None, 0)
+    # What fits the region's areas (rows at 0, then ids, weights, count): past them a piece would
+    # overwrite the next area or the flags.
+    ids_offset, weights_offset, count_offset, _ = transport.offsets
+    for what, need, room in (("rows", num_rows * transport.row_pitch, ids_offset),
+                             ("ids", blobs["ids"][1], weights_offset - ids_offset),
+                             ("weights", blobs["weights"][1], count_offset - weights_offset)):
+        if need > room:
+            raise ValueError(f"publish: {what} of {need} bytes exceed the region's {what} area of {room} bytes "
+                             f"(sized from max_tokens_per_rank and top_k of the buffer)")
     transport.launch(_PUBLISH, _PUBLISH_ARGS, rows=rows, num_rows=num_rows, row_bytes=row_bytes,
                      row_pitch=transport.row_pitch, ids=blobs["ids"][0], ids_bytes=blobs["ids"][1],
                      weights=blobs["weights"][0], weight_bytes=blobs["weights"][1], num_tokens=int(num_tokens))

@@ -326,6 +326,11 @@ __device__ __forceinline__ uint4 cta_column_max(uint4 m, uint4 (&smem)[kFp8Quant
     return m;
 }
 
+__device__ __forceinline__ bool any_half_at_least(const uint4& m, u32 bound) {
+    const u32 b2 = bound * 0x10001u;
+    return (__vcmpgeu2(m.x, b2) | __vcmpgeu2(m.y, b2) | __vcmpgeu2(m.z, b2) | __vcmpgeu2(m.w, b2)) != 0;
+}
+
 // The CTA's per column pair max |v| of one 128-row block (bf16 bits): every thread's kRows vectors v
 // reduced with Inf / NaN included, then, only when a NaN / Inf is in the block, again without them;
 // then across the CTA's row groups (cta_column_max). The __syncthreads_or is also the barrier that
@@ -352,12 +357,6 @@ __device__ __forceinline__ uint4 block_column_amax(const uint4 (&v)[kRows], uint
         }
     }
     return cta_column_max<kColVecs>(m, smem, cv);
-}
-
-
-__device__ __forceinline__ bool any_half_at_least(const uint4& m, u32 bound) {
-    const u32 b2 = bound * 0x10001u;
-    return (__vcmpgeu2(m.x, b2) | __vcmpgeu2(m.y, b2) | __vcmpgeu2(m.z, b2) | __vcmpgeu2(m.w, b2)) != 0;
 }
 
 template <int kRowsPerThread>
