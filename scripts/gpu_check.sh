@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: warm the JIT cache, run every test (GPU tests run there, CPU tests
-# too), the fuzz, optionally the bit-identity check against an older tree, then the benchmarks; each
-# step has a time limit, logs go to OUT_DIR, and the short tables come last.
+# too; the emulated expert-parallel ranks in a process of their own), the fuzz, optionally the
+# bit-identity check against an older tree, then the benchmarks; each step has a time limit, logs go
+# to OUT_DIR, and the short tables come last.
 #
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STEP ...]
 #   steps (default: all): build tests fuzz compare bench transformers schedules
@@ -36,9 +37,15 @@ fi
 if has tests; then
   # Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}" || echo "")
-  timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py tests > "$out/tests.log" 2>&1 || status=1
+  timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py --ignore=tests/test_gpu_ep_symmetric.py \
+    tests > "$out/tests.log" 2>&1 || status=1
   note "tests: $(tail -1 "$out/tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 | tee -a "$summary"
+  # Ranks emulated on one GPU: their own process, with the driver settings they need from CUDA's start.
+  CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 DGE_EP_TIMEOUT_S=${DGE_EP_TIMEOUT_S:-30} \
+    timeout 600 python3 -m pytest -q -rfE tests/test_gpu_ep_symmetric.py > "$out/tests_ep.log" 2>&1 || status=1
+  note "tests (emulated EP ranks): $(tail -1 "$out/tests_ep.log")"
+  grep -E "^(FAILED|ERROR)" "$out/tests_ep.log" | head -30 | tee -a "$summary"
 fi
 if has fuzz; then
   timeout 300 python3 -m pytest -q tests/test_gpu_fuzz.py > "$out/fuzz.log" 2>&1 || status=1

@@ -33,6 +33,26 @@ import test_ep_all_to_all as a2a  # noqa: E402
 
 pytestmark = requires_hopper
 
+
+def _modules_load_eagerly() -> bool:
+    """Whether this process's CUDA driver loads modules eagerly (decided when CUDA started: the
+    environment above takes effect only where this file is the first to start CUDA)."""
+    if not torch.cuda.is_available():
+        return True  # requires_hopper decides
+    from deep_gemm_ext.jit.driver import module_loading_mode
+
+    torch.cuda.init()
+    return module_loading_mode() == "EAGER"
+
+
+# In-process emulated ranks need eager module loading (run_emulated_ranks refuses lazy loading);
+# where another test started CUDA first, these run in their own process instead.
+requires_eager_loading = pytest.mark.skipif(
+    not _modules_load_eagerly(),
+    reason="emulated ranks need CUDA_MODULE_LOADING=EAGER from CUDA's start: run `CUDA_MODULE_LOADING=EAGER "
+           "CUDA_DEVICE_MAX_CONNECTIONS=32 python -m pytest tests/test_gpu_ep_symmetric.py` on its own "
+           "(scripts/gpu_check.sh does)")
+
 H, K = 256, 4
 
 
@@ -68,6 +88,7 @@ def shapes(monkeypatch):
     return set_e_loc
 
 
+@requires_eager_loading
 @pytest.mark.parametrize("world,e_loc,inter", [(2, 2, 128), (4, 3, 256), (8, 2, 128)])
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "unused_slots"])
 def test_layer_matches_fp64_reference(world, e_loc, inter, routing, shapes):
@@ -90,6 +111,7 @@ def test_layer_matches_fp64_reference(world, e_loc, inter, routing, shapes):
                 assert err <= 1e-2, f"seed {seed} W={world} {routing} rank {rank}: {name} rel err {err:.3g}"
 
 
+@requires_eager_loading
 def test_exchange_pieces_deliver_the_all_to_all_layout(shapes):
     """dispatch's rows, ids and weights against loops; combine of dispatch's rows sums each token's
     copies; the adjoints' rows where they must be and zeros elsewhere."""
@@ -123,6 +145,7 @@ def test_exchange_pieces_deliver_the_all_to_all_layout(shapes):
         assert torch.equal(d_topk, want), (seed, rank)
 
 
+@requires_eager_loading
 def test_deterministic_over_ten_runs(shapes):
     world, e_loc, seed = 4, 2, _seed()
     shapes(e_loc)
@@ -138,6 +161,7 @@ def test_deterministic_over_ten_runs(shapes):
                 assert torch.equal(a, b), f"seed {seed}: run {run + 1} rank {rank} differs"
 
 
+@requires_eager_loading
 def test_fp8_recipe_with_fp8_rows(shapes):
     """recipe="fp8" at W=2: x's rows travel as e4m3 + 1x128 scales; y, dx and d topk_weights within
     1.1x (+1e-3) of the single-process fp8 emulation's error against fp64, the weights within 1.5x."""
@@ -175,6 +199,7 @@ def test_fp8_recipe_with_fp8_rows(shapes):
                                   f"(emulation {rel_err(emu, ref):.4g}; vs the emulation {rel_err(got[rank][i], emu):.3g})")
 
 
+@requires_eager_loading
 def test_bad_inputs():
     world, e_loc = 2, 2
     buffers = emulated_ep_buffers(world, 8, H, K, torch.bfloat16, "cuda")
