@@ -223,7 +223,8 @@ class GemmConfig:
             if wrong:
                 raise ValueError(f"GemmConfig: cluster_n={self.cluster_n} takes {_CLUSTER_RULES} and an epilogue of "
                                  f"{CLUSTER_EPILOGUES}, got {wrong}")
-        if isinstance(self.epilogue_buffers, bool) or self.epilogue_buffers not in EPILOGUE_BUFFERS:
+        if (not isinstance(self.epilogue_buffers, int) or isinstance(self.epilogue_buffers, bool)
+                or self.epilogue_buffers not in EPILOGUE_BUFFERS):
             raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers!r}, expected one of "
                              f"{EPILOGUE_BUFFERS}")
         if self.epilogue_buffers != 2:
@@ -320,7 +321,8 @@ def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False, schedule: 
 
 def _check_epilogue_buffers(epilogue_buffers) -> None:
     """``epilogue_buffers=`` of a launcher: one of EPILOGUE_BUFFERS."""
-    if isinstance(epilogue_buffers, bool) or epilogue_buffers not in EPILOGUE_BUFFERS:
+    if (not isinstance(epilogue_buffers, int) or isinstance(epilogue_buffers, bool)
+            or epilogue_buffers not in EPILOGUE_BUFFERS):
         raise ValueError(f"epilogue_buffers={epilogue_buffers!r}: expected one of {EPILOGUE_BUFFERS}")
 
 
