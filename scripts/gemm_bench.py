@@ -4,6 +4,7 @@
     python scripts/gemm_bench.py --schedules [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8 [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --clusters [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --epilogue [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows the experts own, and
@@ -28,6 +29,13 @@ of clusters of 1 and of 2 CTAs (the launchers' ``cluster_n``: adjacent M blocks 
 multicast) for the bf16 GEMMs (store epilogue, and the layer's combine epilogues) and the fp8 M-grouped
 GEMMs (both mainloops), next to one dense cuBLAS bf16 GEMM of the same M x N x K; "bits" says whether
 cluster 2's output equals cluster 1's bit for bit (it must: same wgmmas in the same K order).
+
+--epilogue: per bf16 GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192: the
+store GEMMs and the layer's two combine epilogues), TFLOP/s with 2 and with 4 epilogue staging buffers
+per consumer warpgroup (the launchers' ``epilogue_buffers``: 4 stages a whole 64 x 256 slice, 3 smem
+stages instead of 4), next to one dense cuBLAS bf16 GEMM of the same M x N x K; "bits" says whether the
+two outputs are equal bit for bit (they must: same accumulators, same stores); "tile" is the N tile the
+launcher picked (a 128-wide one runs the default kernel under both).
 """
 from __future__ import annotations
 
@@ -381,6 +389,83 @@ def _cluster_table(args) -> int:
     return 0 if all(r["bit_identical"] for r in results) else 1
 
 
+def _epilogue_cases(w):
+    """(name, dense (M, N, K), fn(epilogue_buffers) -> output, N of the GEMM's output) per bf16 GEMM of the
+    layer, and the pool rows the experts own."""
+    torch.manual_seed(0)
+    idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
+    meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
+    starts, ends = meta.starts, meta.ends
+    used = int(ends[-1].item())
+    pad = meta.row_to_slot < 0
+    rows = meta.num_pool_rows
+    E, H, I, T, K = w.num_experts, w.hidden, w.intermediate, w.num_tokens, w.top_k
+    x, act = _pool(rows, H, pad), _pool(rows, I, pad)
+    dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
+    l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    weights = torch.rand(T, K, device="cuda")
+    combine = gg.Scatter(meta.row_to_slot, T * K, weights)
+    plain = gg.Scatter(meta.row_to_slot, T * K)
+    nt, nn, tn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous, \
+        gg.k_grouped_bf16_gemm_tn_contiguous
+    cases = [
+        ("L1 fwd  nt", (used, 2 * I, H), lambda e: nt(x, l1, starts, ends, epilogue_buffers=e), 2 * I),
+        ("L2 fwd  nt", (used, H, I), lambda e: nt(act, l2, starts, ends, epilogue_buffers=e), H),
+        ("L2 fwd  nt combine", (used, H, I),
+         lambda e: nt(act, l2, starts, ends, scatter=combine, epilogue_buffers=e), H),
+        ("L2 dgrad nn", (used, I, H), lambda e: nn(dy, l2, starts, ends, epilogue_buffers=e), I),
+        ("L1 dgrad nn", (used, H, 2 * I), lambda e: nn(dh, l1, starts, ends, epilogue_buffers=e), H),
+        ("L1 dgrad nn combine", (used, H, 2 * I),
+         lambda e: nn(dh, l1, starts, ends, scatter=plain, epilogue_buffers=e), H),
+        ("L1 wgrad tn", (2 * I, H, used), lambda e: tn(dh, x, starts, ends, epilogue_buffers=e), H),
+        ("L2 wgrad tn", (H, I, used), lambda e: tn(dy, act, starts, ends, epilogue_buffers=e), I),
+    ]
+    return cases, used
+
+
+def _epilogue_table(args) -> int:
+    results = []
+    for workload in args.workload or _SCHEDULE_WORKLOADS:
+        w = WORKLOADS[workload]
+        cublas = {}
+        cases, used = _epilogue_cases(w)
+        for name, (m, n, k), fn, out_n in cases:
+            flops = 2.0 * m * n * k
+            # Compared where written: pool rows below ends[-1] (store), every slot (combine: uniform
+            # routing fills all T*K), every expert (K-grouped); [:used] keeps all of the latter two.
+            two, four = fn(2), fn(4)
+            torch.cuda.synchronize()
+            same = torch.equal(two[:used].view(torch.int16), four[:used].view(torch.int16))
+            del two, four
+            row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same,
+                   "tile": gg.select_tile(out_n).block_n}
+            for e in gg.EPILOGUE_BUFFERS:
+                row[f"e{e}"] = flops / median_ms(lambda: fn(e), args.reps) / 1e9
+            if (m, n, k) not in cublas:
+                a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+                cublas[(m, n, k)] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
+                del a, b
+            row["cublas"] = cublas[(m, n, k)]
+            results.append(row)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"TFLOP/s on {torch.cuda.get_device_name()}: 2 and 4 epilogue staging buffers per consumer warpgroup "
+          "(epilogue_buffers; 4 = a whole 64 x 256 slice, 3 smem stages); dense cuBLAS: bf16 torch.matmul of the "
+          "same M x N x K")
+    print(f"{'workload':<22} | {'gemm':<19} | {'M x N x K':>20} | tile | {'e2':>6} | {'e4':>6} | e4/e2 | "
+          f"{'cuBLAS':>6} | e4/cuBLAS | bits")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{r['workload']:<22} | {r['gemm']:<19} | {shape:>20} | {r['tile']:>4} | {r['e2']:6.1f} | "
+              f"{r['e4']:6.1f} | {r['e4'] / r['e2']:4.2f}x | {r['cublas']:6.1f} | {r['e4'] / r['cublas']:8.2f}x | "
+              f"{'same' if r['bit_identical'] else 'DIFFER'}")
+    return 0 if all(r["bit_identical"] for r in results) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
@@ -392,17 +477,22 @@ def main() -> int:
                         help="our blockwise-fp8 GEMM vs our bf16 GEMM TFLOP/s per M-grouped GEMM of the layer")
     parser.add_argument("--clusters", action="store_true",
                         help="clusters of 1 vs 2 CTAs (bf16 and fp8) vs dense cuBLAS TFLOP/s per GEMM, with bit identity")
+    parser.add_argument("--epilogue", action="store_true",
+                        help="2 vs 4 epilogue staging buffers vs dense cuBLAS TFLOP/s per bf16 GEMM, with bit identity")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args()
-    if args.schedules + args.fp8 + args.clusters > 1:
-        parser.error("--schedules, --fp8 and --clusters: one table at a time")
-    if not (args.schedules or args.fp8 or args.clusters) and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules, --fp8 or --clusters")
+    if args.schedules + args.fp8 + args.clusters + args.epilogue > 1:
+        parser.error("--schedules, --fp8, --clusters and --epilogue: one table at a time")
+    one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue)
+    if one_table and args.workload and len(args.workload) > 1:
+        parser.error("--workload: one workload without --schedules, --fp8, --clusters or --epilogue")
     if args.fp8:
         return _fp8_table(args)
     if args.clusters:
         return _cluster_table(args)
+    if args.epilogue:
+        return _epilogue_table(args)
     return _schedule_table(args) if args.schedules else _grouped_table(args)
 
 

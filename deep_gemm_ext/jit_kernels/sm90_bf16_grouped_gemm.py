@@ -106,6 +106,11 @@ _EPILOGUES = {
                                  _SCATTER_ARGS),
 }
 
+#: The store / combine epilogues with more than two staging buffers (GemmConfig.epilogue_buffers).
+_STAGED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Buffers<{buffers}>",
+               "scatter": "dge::gemm::EpilogueScatterSlotsBuffers<false, {buffers}>",
+               "scatter_weighted": "dge::gemm::EpilogueScatterSlotsBuffers<true, {buffers}>"}
+
 
 #: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool),
 #: 1-row TMA boxes, or cp.async by the producer warpgroup (of A, or with gather_b of B).
@@ -144,6 +149,15 @@ FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::Main
 CLUSTER_SIZES = (1, 2)
 CLUSTER_EPILOGUES = ("store", "scatter", "scatter_weighted")
 _CLUSTER_RULES = dict(gather_a=None, gather_b=False, schedule="cooperative", paired_n=False)
+#: Staging buffers per consumer warpgroup in the store epilogue (GemmConfig.epilogue_buffers). 2: 64 x 64
+#: chunks alternate between two 8 KiB buffers, so the third chunk of a 64 x 256 slice waits for the first
+#: one's TMA store to finish reading. 4: the whole slice is staged, the chunks of a tile never wait on
+#: each other; 64 KiB for both warpgroups, so the 256-wide tile runs 3 smem stages instead of 4. Same
+#: bits as 2. What it takes: 256-wide cooperative bf16 tiles and the store or combine epilogues.
+EPILOGUE_BUFFERS = (2, 4)
+STAGED_EPILOGUES = ("store", "scatter", "scatter_weighted")
+#: Stages of the 256-wide tile with 4 epilogue buffers (SmemLayout's 227 KiB: 3 x 48 KiB + 64 KiB).
+_STAGED_STAGES = {256: 3}
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,9 @@ class GemmConfig:
     # tile by TMA multicast (kernels/scheduler/sm90_grouped.cuh); plain TMA loader, cooperative
     # schedule, store or combine epilogues (CLUSTER_EPILOGUES) only.
     cluster_n: int = 1
+    # Staging buffers of the store / combine epilogues per consumer warpgroup (EPILOGUE_BUFFERS): 4
+    # stages a whole 64 x 256 slice (256-wide cooperative bf16 tiles, 3 smem stages), 2 is the default.
+    epilogue_buffers: int = 2
 
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
@@ -206,10 +223,23 @@ class GemmConfig:
             if wrong:
                 raise ValueError(f"GemmConfig: cluster_n={self.cluster_n} takes {_CLUSTER_RULES} and an epilogue of "
                                  f"{CLUSTER_EPILOGUES}, got {wrong}")
+        if (not isinstance(self.epilogue_buffers, int) or isinstance(self.epilogue_buffers, bool)
+                or self.epilogue_buffers not in EPILOGUE_BUFFERS):
+            raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers!r}, expected one of "
+                             f"{EPILOGUE_BUFFERS}")
+        if self.epilogue_buffers != 2:
+            staged = dict(block_n=256, schedule="cooperative", dtype="bf16")
+            wrong = {k: getattr(self, k) for k, v in staged.items() if getattr(self, k) != v}
+            if self.epilogue not in STAGED_EPILOGUES:
+                wrong["epilogue"] = self.epilogue
+            if wrong:
+                raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} and an "
+                                 f"epilogue of {STAGED_EPILOGUES} (a 128-wide slice fits the 2 default buffers), "
+                                 f"got {wrong}")
 
     @property
     def stages(self) -> int:
-        return _STAGES[self.block_n]
+        return _STAGED_STAGES[self.block_n] if self.epilogue_buffers != 2 else _STAGES[self.block_n]
 
     @property
     def name(self) -> str:
@@ -228,6 +258,8 @@ class GemmConfig:
             name += f"_{self.fp8_mainloop}"
         if self.cluster_n > 1:
             name += f"_c{self.cluster_n}"
+        if self.epilogue_buffers != 2:
+            name += f"_e{self.epilogue_buffers}"
         return name
 
     @property
@@ -239,6 +271,8 @@ class GemmConfig:
         gemm_type, major_a, major_b = _TYPES[self.layout]
         epilogue = _EPILOGUES[self.epilogue]
         epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
+        if self.epilogue_buffers != 2:
+            epilogue_cpp = _STAGED_CPP[self.epilogue].format(buffers=self.epilogue_buffers)
         loader = "dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _LOADERS[self.gather_a]
         mainloop = MAINLOOPS[self.dtype]
         mainloop_cpp = FP8_MAINLOOPS[self.fp8_mainloop] if self.dtype == "fp8" else mainloop.cpp
@@ -285,6 +319,20 @@ def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False, schedule: 
                              f"unpaired tiles and the cooperative schedule (expected {label}={plain!r})")
 
 
+def _check_epilogue_buffers(epilogue_buffers) -> None:
+    """``epilogue_buffers=`` of a launcher: one of EPILOGUE_BUFFERS."""
+    if (not isinstance(epilogue_buffers, int) or isinstance(epilogue_buffers, bool)
+            or epilogue_buffers not in EPILOGUE_BUFFERS):
+        raise ValueError(f"epilogue_buffers={epilogue_buffers!r}: expected one of {EPILOGUE_BUFFERS}")
+
+
+def _staged_buffers(epilogue_buffers: int, block_n: int, schedule: str) -> int:
+    """The config's epilogue_buffers for the launcher's ``epilogue_buffers=``: where the tile is 128 wide
+    (N that a 128-wide tile pads less, or the ping-pong schedule) the two default buffers already hold
+    the warpgroup's whole 64 x 128 slice, so that tile runs the default kernel."""
+    return epilogue_buffers if block_n == 256 and schedule == "cooperative" else 2
+
+
 def _check_schedule(schedule) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
@@ -324,7 +372,12 @@ def _all_configs() -> list[GemmConfig]:
     clusters = [GemmConfig(layout, 256, cluster_n=2) for layout in ("nt", "nn", "tn")]
     clusters += [GemmConfig("nt", 256, epilogue="scatter_weighted", cluster_n=2),
                  GemmConfig("nn", 256, epilogue="scatter", cluster_n=2)]
-    return configs + list(pingpong) + clusters
+    # Four epilogue buffers (epilogue_buffers=4, 3 stages): the 256-wide store GEMMs of every layout and
+    # the combine epilogues.
+    staged = [GemmConfig(layout, 256, epilogue_buffers=4) for layout in ("nt", "nn", "tn")]
+    staged += [GemmConfig("nt", 256, epilogue="scatter_weighted", epilogue_buffers=4),
+               GemmConfig("nn", 256, epilogue="scatter", epilogue_buffers=4)]
+    return configs + list(pingpong) + clusters + staged
 
 
 @jit.register("sm90_bf16_grouped_gemm")
@@ -555,8 +608,10 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, schedule: str = "cooperative", cluster_n: int = 1) -> torch.Tensor:
+               scatter: Scatter | None = None, schedule: str = "cooperative", cluster_n: int = 1,
+               epilogue_buffers: int = 2) -> torch.Tensor:
     _check_schedule(schedule)
+    _check_epilogue_buffers(epilogue_buffers)
     _check_gather(gather)
     _check_cluster(cluster_n, gather=gather, paired_n=paired_n, schedule=schedule)
     if scatter is not None and paired_n:
@@ -585,7 +640,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     a = _gather_operand("a", a, gather)
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
     config = GemmConfig(layout, block_n, paired_n, epilogue=epilogue,
-                        gather_a=gather.mode if gather is not None else None, schedule=schedule, cluster_n=cluster_n)
+                        gather_a=gather.mode if gather is not None else None, schedule=schedule, cluster_n=cluster_n,
+                        epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
@@ -598,7 +654,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      schedule: str = "cooperative", cluster_n: int = 1) -> torch.Tensor:
+                                      schedule: str = "cooperative", cluster_n: int = 1,
+                                      epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -609,37 +666,44 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter.weights is given); see
     Scatter. ``schedule``: the consumer schedule (SCHEDULES), same bits under each. ``cluster_n``: CTAs
     per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks by multicast, without
-    gather, paired_n or the ping-pong schedule), same bits under each.
+    gather, paired_n or the ping-pong schedule), same bits under each. ``epilogue_buffers``: staging
+    buffers per consumer warpgroup of the store / combine epilogue (EPILOGUE_BUFFERS); 4 stages a whole
+    64 x 256 slice of a 256-wide cooperative tile (3 smem stages instead of 4), same bits as 2; a
+    128-wide tile (N it pads less, the ping-pong schedule) runs the default kernel, since its two
+    buffers already hold the whole slice.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n,
+                      epilogue_buffers)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather: Gather | None = None,
                                       scatter: Scatter | None = None, schedule: str = "cooperative",
-                                      cluster_n: int = 1) -> torch.Tensor:
+                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``gather``: a is the token matrix (e.g. dy [T, H]), gathered by the GEMM.
     ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for combine_slots).
-    ``cluster_n``: as for m_grouped_bf16_gemm_nt_contiguous.
+    ``cluster_n``, ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, schedule, cluster_n)
+    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, schedule, cluster_n, epilogue_buffers)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather_a: Gather | None = None,
                                       gather_b: Gather | None = None, schedule: str = "cooperative",
-                                      cluster_n: int = 1) -> torch.Tensor:
+                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x for dW1 [E, 2I, H]), M a multiple of 128. Experts
     without rows get zeros. ``gather_a`` / ``gather_b`` (one at most, mode "cp_async"): that operand
     is a token matrix (dy for dW2, x for dW1) whose rows the GEMM gathers. ``cluster_n``: CTAs per
     cluster (CLUSTER_SIZES; 2 pairs adjacent M blocks of one expert, sharing B, without gathers).
+    ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
     _check_schedule(schedule)
+    _check_epilogue_buffers(epilogue_buffers)
     if gather_a is not None and gather_b is not None:
         raise ValueError("gather_a and gather_b: expected at most one gathered operand")
     gather = gather_a if gather_a is not None else gather_b
@@ -668,7 +732,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
         return out.zero_()
     block_n = select_tile(n, schedule=schedule).block_n
     config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
-                        gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n)
+                        gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n,
+                        epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
     a = _gather_operand("a", a, gather_a, cp_async_only=True)
     b = _gather_operand("b", b, gather_b, cp_async_only=True)
     with jit.device_guard(a):

@@ -103,12 +103,25 @@ __device__ __forceinline__ void stage_chunk(uint32_t buf, uint32_t thread, const
 }
 
 // A warpgroup's 64-row slice of an output tile goes out in 64 x 64 bf16 chunks: stmatrix into one
-// of two 8 KiB 128B-swizzled buffers, then one thread issues the TMA store, so the next chunk
-// (or the next tile's mainloop) overlaps the store of this one.
+// of kNumBuffers 8 KiB 128B-swizzled buffers, then one thread issues the TMA store, so the next
+// chunk (or the next tile's mainloop) overlaps the store of this one.
+//
+//   kNumBuffers = 2  store(): chunk c waits for the store of chunk c - 2 to finish reading its
+//                    buffer, inside the tile when the slice has more than two chunks (BLOCK_N 256);
+//                    two named-barrier syncs per chunk.
+//   kNumBuffers = 4  store_slice(): the whole 64 x 256 slice staged at once, so the chunks of a tile
+//                    never wait on each other; only the first thing the next tile's epilogue does,
+//                    waiting for this tile's stores to have read their buffers, waits at all, and
+//                    those stores had a whole mainloop to finish. Two named-barrier syncs per tile:
+//                    buffers free (thread 0's wait, published), then slice staged (every thread's
+//                    stmatrix and proxy fence, before thread 0's TMA stores).
+template <uint32_t kNumBuffers = 2>
 class WarpgroupChunkStore {
 public:
+    static_assert(kNumBuffers == 2 || kNumBuffers == 4, "WarpgroupChunkStore: 2 or 4 staging buffers");
     static constexpr uint32_t kChunkBytes = 64 * 64 * 2;
-    static constexpr uint32_t kSmemBytes = 2 * kChunkBytes;
+    static constexpr uint32_t kBuffers = kNumBuffers;
+    static constexpr uint32_t kSmemBytes = kNumBuffers * kChunkBytes;
 
     // `buffers`: 1024-byte aligned smem address owned by this warpgroup; `barrier_id`: a named
     // barrier reserved for it; `thread`: index in the warpgroup.
@@ -121,7 +134,7 @@ public:
                                           uint32_t row) {
         const uint32_t buf = buffers_ + slot_ * kChunkBytes;
         if (thread_ == 0)
-            ptx::bulk_wait_group_read<1>();  // the store that last read this buffer is done with it
+            ptx::bulk_wait_group_read<kNumBuffers - 1>();  // the store that last read this buffer is done with it
         ptx::named_barrier_sync(barrier_id_, 128);
         stage_chunk(buf, thread_, packed);
         ptx::fence_proxy_async_smem();
@@ -130,7 +143,37 @@ public:
             ptx::tma_store_2d(map, buf, static_cast<int32_t>(col), static_cast<int32_t>(row));
             ptx::bulk_commit_group();
         }
-        slot_ ^= 1;
+        if constexpr (kNumBuffers == 2)
+            slot_ ^= 1;
+        else
+            slot_ = slot_ + 1 == kNumBuffers ? 0 : slot_ + 1;
+    }
+
+    // The kNumChunks (<= kNumBuffers) chunks of one slice, chunk c into buffer c: `pack(c, packed)`
+    // fills chunk c's bf16x2 pairs, `col_of(c)` is its first output column; every chunk goes to
+    // `row` of `map`. One bulk group per slice.
+    template <uint32_t kNumChunks, class Pack, class ColOf>
+    __device__ __forceinline__ void store_slice(const Pack& pack, const ColOf& col_of, const CUtensorMap* map,
+                                                uint32_t row) {
+        static_assert(kNumChunks <= kNumBuffers, "store_slice: one buffer per chunk of the slice");
+        if (thread_ == 0)
+            ptx::bulk_wait_group_read<0>();  // the previous slice's stores are done reading every buffer
+        ptx::named_barrier_sync(barrier_id_, 128);
+#pragma unroll
+        for (uint32_t c = 0; c < kNumChunks; ++c) {
+            uint32_t packed[16];
+            pack(c, packed);
+            stage_chunk(buffers_ + c * kChunkBytes, thread_, packed);
+        }
+        ptx::fence_proxy_async_smem();
+        ptx::named_barrier_sync(barrier_id_, 128);
+        if (thread_ == 0) {
+#pragma unroll
+            for (uint32_t c = 0; c < kNumChunks; ++c)
+                ptx::tma_store_2d(map, buffers_ + c * kChunkBytes, static_cast<int32_t>(col_of(c)),
+                                  static_cast<int32_t>(row));
+            ptx::bulk_commit_group();
+        }
     }
 
     // Outstanding stores must finish before the CTA exits (they read its shared memory).

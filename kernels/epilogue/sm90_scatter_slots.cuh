@@ -12,6 +12,10 @@
 // 64 x 64 chunk of the warpgroup's slice is staged in swizzled shared memory (stmatrix), then the
 // warpgroup stores it row by row: thread t moves the 16-byte column t % 8 of rows t / 8 + 16 i, so
 // each warp writes four whole 128-byte row segments per instruction.
+//
+// kNumBuffers staging buffers per warpgroup (EpilogueScatterSlotsBuffers): 2 (EpilogueScatterSlots)
+// alternate chunk by chunk, one named-barrier sync per chunk; 4 hold the whole 64 x 256 slice, two
+// syncs per tile (the previous slice's reads done, this slice staged), the slice's stores back to back.
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -23,18 +27,20 @@
 
 namespace dge::gemm {
 
-template <bool kWeighted>
-struct EpilogueScatterSlots {
-    static constexpr uint32_t kChunkBytes = sm90::WarpgroupChunkStore::kChunkBytes;
-    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * 2 * kChunkBytes;
+template <bool kWeighted, uint32_t kNumBuffers>
+struct EpilogueScatterSlotsBuffers {
+    static_assert(kNumBuffers == 2 || kNumBuffers == 4, "EpilogueScatterSlots: 2 or 4 staging buffers");
+    static constexpr uint32_t kChunkBytes = sm90::WarpgroupChunkStore<>::kChunkBytes;
+    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * kNumBuffers * kChunkBytes;
     static constexpr uint32_t kRowsPerThread = 4;  // 64 rows / (128 threads / 8 columns of 16 bytes)
     uint32_t buffers;
     uint32_t barrier_id;
     uint32_t thread;
-    uint32_t slot = 0;  // which of the two staging buffers the next chunk uses
+    uint32_t slot = 0;  // kNumBuffers = 2: which of the two staging buffers the next chunk uses
 
-    __device__ EpilogueScatterSlots(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
-        : buffers(smem + warpgroup * 2 * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup), thread(thread_) {}
+    __device__ EpilogueScatterSlotsBuffers(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
+        : buffers(smem + warpgroup * kNumBuffers * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup),
+          thread(thread_) {}
 
     // Args: out [num_slots, N] bf16 (16-byte aligned, N % 8 == 0), row_to_slot [num_rows] int32,
     // weights [num_slots] fp32 (read only when kWeighted), num_rows, num_slots, N.
@@ -63,38 +69,82 @@ struct EpilogueScatterSlots {
                 w[j] = s >= 0 ? __ldg(weights + s) : 0.0f;
             }
         }
+        if constexpr (kNumBuffers == 2) {
 #pragma unroll
-        for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
-            uint32_t packed[16];
+            for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
+                uint32_t packed[16];
 #pragma unroll
-            for (uint32_t i = 0; i < 16; ++i) {
-                float lo = acc[chunk * 32 + 2 * i], hi = acc[chunk * 32 + 2 * i + 1];
-                if constexpr (kWeighted) {
-                    lo = __fmul_rn(lo, w[i % 2]);  // pair i is row l/4 (+8 when i is odd)
-                    hi = __fmul_rn(hi, w[i % 2]);
+                for (uint32_t i = 0; i < 16; ++i) {
+                    float lo = acc[chunk * 32 + 2 * i], hi = acc[chunk * 32 + 2 * i + 1];
+                    if constexpr (kWeighted) {
+                        lo = __fmul_rn(lo, w[i % 2]);  // pair i is row l/4 (+8 when i is odd)
+                        hi = __fmul_rn(hi, w[i % 2]);
+                    }
+                    packed[i] = ptx::pack_bf16x2(lo, hi);
                 }
-                packed[i] = ptx::pack_bf16x2(lo, hi);
+                // Two buffers: the barrier after staging chunk c also orders every thread's reads of
+                // chunk c - 1, so chunk c + 1 may overwrite that buffer.
+                const uint32_t buf = buffers + slot * kChunkBytes;
+                sm90::stage_chunk(buf, thread, packed);
+                ptx::named_barrier_sync(barrier_id, 128);
+                const uint32_t col = tile.cols.col(chunk) + 8 * col16;
+                if (col < shape_n) {
+#pragma unroll
+                    for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+                        if (dst_slot[i] < 0)
+                            continue;
+                        const uint4 v =
+                            ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
+                        ptx::st_global_v4(out + static_cast<uint64_t>(dst_slot[i]) * shape_n + col, v);
+                    }
+                }
+                slot ^= 1;
             }
-            // Two buffers: the barrier after staging chunk c also orders every thread's reads of
-            // chunk c - 1, so chunk c + 1 may overwrite that buffer.
-            const uint32_t buf = buffers + slot * kChunkBytes;
-            sm90::stage_chunk(buf, thread, packed);
+        } else {
+            constexpr uint32_t kNumChunks = kNumAccum / 32;
+            static_assert(kNumChunks <= kNumBuffers, "EpilogueScatterSlots: one buffer per chunk of the slice");
+            // Every thread's reads of the previous slice are done before any buffer is overwritten.
             ptx::named_barrier_sync(barrier_id, 128);
-            const uint32_t col = tile.cols.col(chunk) + 8 * col16;
-            if (col < shape_n) {
 #pragma unroll
-                for (uint32_t i = 0; i < kRowsPerThread; ++i) {
-                    if (dst_slot[i] < 0)
-                        continue;
-                    const uint4 v = ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
-                    ptx::st_global_v4(out + static_cast<uint64_t>(dst_slot[i]) * shape_n + col, v);
+            for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
+                uint32_t packed[16];
+#pragma unroll
+                for (uint32_t i = 0; i < 16; ++i) {
+                    float lo = acc[chunk * 32 + 2 * i], hi = acc[chunk * 32 + 2 * i + 1];
+                    if constexpr (kWeighted) {
+                        lo = __fmul_rn(lo, w[i % 2]);
+                        hi = __fmul_rn(hi, w[i % 2]);
+                    }
+                    packed[i] = ptx::pack_bf16x2(lo, hi);
+                }
+                sm90::stage_chunk(buffers + chunk * kChunkBytes, thread, packed);
+            }
+            ptx::named_barrier_sync(barrier_id, 128);
+#pragma unroll
+            for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
+                const uint32_t buf = buffers + chunk * kChunkBytes;
+                const uint32_t col = tile.cols.col(chunk) + 8 * col16;
+                if (col < shape_n) {
+#pragma unroll
+                    for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+                        if (dst_slot[i] < 0)
+                            continue;
+                        const uint4 v =
+                            ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
+                        ptx::st_global_v4(out + static_cast<uint64_t>(dst_slot[i]) * shape_n + col, v);
+                    }
                 }
             }
-            slot ^= 1;
         }
     }
 
     __device__ __forceinline__ void finish() {}
+};
+
+// The default: two staging buffers per warpgroup.
+template <bool kWeighted>
+struct EpilogueScatterSlots : EpilogueScatterSlotsBuffers<kWeighted, 2> {
+    using EpilogueScatterSlotsBuffers<kWeighted, 2>::EpilogueScatterSlotsBuffers;
 };
 
 }  // namespace dge::gemm

@@ -32,28 +32,48 @@ struct EpilogueTile {
     uint32_t expert;
 };
 
-// Args: tma_c over C (64 x 64 boxes, 128B swizzle).
-struct EpilogueStoreBF16 {
-    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * sm90::WarpgroupChunkStore::kSmemBytes;
-    sm90::WarpgroupChunkStore store;
+// Args: tma_c over C (64 x 64 boxes, 128B swizzle). kNumBuffers: the warpgroup's staging buffers
+// (sm90::WarpgroupChunkStore): 2 stages chunk by chunk; 4 stages a whole 64 x 256 slice before its
+// stores (64 KiB for both warpgroups, so a 128 x 256 tile keeps 3 smem stages, not 4). Same bytes
+// stored either way.
+template <uint32_t kNumBuffers>
+struct EpilogueStoreBF16Buffers {
+    using Store = sm90::WarpgroupChunkStore<kNumBuffers>;
+    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * Store::kSmemBytes;
+    Store store;
 
-    __device__ EpilogueStoreBF16(uint32_t smem, uint32_t warpgroup, uint32_t thread)
-        : store(smem + warpgroup * sm90::WarpgroupChunkStore::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread) {}
+    __device__ EpilogueStoreBF16Buffers(uint32_t smem, uint32_t warpgroup, uint32_t thread)
+        : store(smem + warpgroup * Store::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread) {}
 
     template <uint32_t kNumAccum, class Tile>
     __device__ __forceinline__ void operator()(const float (&acc)[kNumAccum], const Tile& tile,
                                                const CUtensorMap& tma_c) {
+        if constexpr (kNumBuffers == 2) {
 #pragma unroll
-        for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
-            uint32_t packed[16];
+            for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
+                uint32_t packed[16];
 #pragma unroll
-            for (uint32_t i = 0; i < 16; ++i)
-                packed[i] = ptx::pack_bf16x2(acc[chunk * 32 + 2 * i], acc[chunk * 32 + 2 * i + 1]);
-            store.store(packed, &tma_c, tile.cols.col(chunk), tile.row);
+                for (uint32_t i = 0; i < 16; ++i)
+                    packed[i] = ptx::pack_bf16x2(acc[chunk * 32 + 2 * i], acc[chunk * 32 + 2 * i + 1]);
+                store.store(packed, &tma_c, tile.cols.col(chunk), tile.row);
+            }
+        } else {
+            auto pack = [&](uint32_t chunk, uint32_t (&packed)[16]) {
+#pragma unroll
+                for (uint32_t i = 0; i < 16; ++i)
+                    packed[i] = ptx::pack_bf16x2(acc[chunk * 32 + 2 * i], acc[chunk * 32 + 2 * i + 1]);
+            };
+            store.template store_slice<kNumAccum / 32>(pack, [&](uint32_t chunk) { return tile.cols.col(chunk); },
+                                                       &tma_c, tile.row);
         }
     }
 
     __device__ __forceinline__ void finish() { store.drain(); }
+};
+
+// The default: two staging buffers per warpgroup.
+struct EpilogueStoreBF16 : EpilogueStoreBF16Buffers<2> {
+    using EpilogueStoreBF16Buffers<2>::EpilogueStoreBF16Buffers;
 };
 
 }  // namespace dge::gemm

@@ -38,11 +38,11 @@ __device__ __forceinline__ uint32_t chunk_pair_col(uint32_t pair, uint32_t lane)
 // n0 + (column of i) and accumulator i + kNumAccum/2 the up column I + the same.
 template <bool kClamp>
 struct EpilogueSwigluForward {
-    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * sm90::WarpgroupChunkStore::kSmemBytes;
-    sm90::WarpgroupChunkStore store;
+    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * sm90::WarpgroupChunkStore<>::kSmemBytes;
+    sm90::WarpgroupChunkStore<> store;
 
     __device__ EpilogueSwigluForward(uint32_t smem, uint32_t warpgroup, uint32_t thread)
-        : store(smem + warpgroup * sm90::WarpgroupChunkStore::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread) {}
+        : store(smem + warpgroup * sm90::WarpgroupChunkStore<>::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread) {}
 
     template <uint32_t kNumAccum, uint32_t BLOCK_N>
     __device__ __forceinline__ void operator()(const float (&acc)[kNumAccum], const EpilogueTile<BLOCK_N, true>& tile,
@@ -83,12 +83,12 @@ private:
 // [P, I / BLOCK_N] fp32, the clamp c (unused when !kClamp) and I (a multiple of BLOCK_N).
 template <bool kClamp>
 struct EpilogueSwigluBackward {
-    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * sm90::WarpgroupChunkStore::kSmemBytes;
-    sm90::WarpgroupChunkStore store;
+    static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * sm90::WarpgroupChunkStore<>::kSmemBytes;
+    sm90::WarpgroupChunkStore<> store;
     uint32_t thread;
 
     __device__ EpilogueSwigluBackward(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
-        : store(smem + warpgroup * sm90::WarpgroupChunkStore::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread_),
+        : store(smem + warpgroup * sm90::WarpgroupChunkStore<>::kSmemBytes, kEpilogueBarrierBase + warpgroup, thread_),
           thread(thread_) {}
 
     template <uint32_t kNumAccum, uint32_t BLOCK_N>

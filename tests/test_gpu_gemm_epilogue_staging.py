@@ -1,0 +1,419 @@
+"""Four epilogue staging buffers per consumer warpgroup in the SM90 grouped GEMM core
+(GemmConfig.epilogue_buffers = 4): the store and combine epilogues stage a whole 64 x 256 slice before its
+stores, on 3 smem stages instead of 4. Every output must equal the 2-buffer output bit for bit (the same
+accumulators rounded and stored the same way), and the 2-buffer output is checked against an fp64
+reference, so that two equally broken paths cannot pass. Each GPU test also checks which kernel ran (the
+launcher's config names), so that a silent fallback to the default kernel cannot pass either.
+
+Cases: routed pools (uniform, zipf, empty experts, one expert, one token) and a hand-made pool with an
+empty expert and a block past ends[-1]; N a multiple of 256 and not (200, 1000: the last tile ragged), K
+ragged (136, 320); the combine epilogues (weighted and not); K-grouped GEMMs with experts without rows;
+paired N tiles, the gathering loaders and clusters of 2 under 4 buffers; N that picks a 128-wide tile
+(the default kernel, by design); no rows. Outputs are NaN-poisoned: rows no expert owns must stay NaN,
+every other element must be written.
+
+CPU: the knob's checks and messages, the configs' names, stages and sources, the registered configs, the
+compile for sm_90a (0 spills, HGMMA 64x256x16, the exported smem within 227 KiB, two named-barrier syncs
+per tile in SASS), and that 4 buffers with 4 stages do not fit (SmemLayout's static_assert).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import zlib
+
+import pytest
+import torch
+
+from deep_gemm_ext import jit
+from deep_gemm_ext.jit import compiler
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+from deep_gemm_ext.routing import compute_routing_torch
+from deep_gemm_ext.testing import make_routing
+
+from conftest import requires_compiler, requires_hopper
+
+
+def _find_cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia  # the nvidia-cuda-cuobjdump wheel
+        for root in nvidia.__path__:
+            for candidate in sorted(__import__("pathlib").Path(root).glob("*/bin/cuobjdump")):
+                return str(candidate)
+    except ImportError:
+        pass
+    return "/usr/local/cuda/bin/cuobjdump" if shutil.which("/usr/local/cuda/bin/cuobjdump") else None
+
+
+_CUOBJDUMP = _find_cuobjdump()
+_SMEM_LIMIT = 232448  # 227 KiB of an SM90 CTA (SmemLayout's static_assert)
+
+
+# -- CPU ----------------------------------------------------------------------------------------------------
+
+
+def test_staging_knob_names_stages_and_sources():
+    e2, e4 = gg.GemmConfig("nt", 256), gg.GemmConfig("nt", 256, epilogue_buffers=4)
+    assert e2.epilogue_buffers == 2 and e2.stages == 4 and e4.stages == 3
+    assert e4.name == "sm90_bf16_grouped_gemm_nt_n256_s3_e4"
+    assert e2.name == "sm90_bf16_grouped_gemm_nt_n256_s4"  # the default's name (and cubin) unchanged
+    assert "using Epilogue = dge::gemm::EpilogueStoreBF16;" in e2.code()
+    assert "using Epilogue = dge::gemm::EpilogueStoreBF16Buffers<4>;" in e4.code()
+    assert e4.code() == e2.code().replace("256, 4, 1, false", "256, 3, 1, false").replace(
+        "EpilogueStoreBF16;", "EpilogueStoreBF16Buffers<4>;")
+    for layout, epilogue, cpp in (("nt", "scatter_weighted", "EpilogueScatterSlotsBuffers<true, 4>"),
+                                  ("nn", "scatter", "EpilogueScatterSlotsBuffers<false, 4>")):
+        c = gg.GemmConfig(layout, 256, epilogue=epilogue, epilogue_buffers=4)
+        assert c.name == f"sm90_bf16_grouped_gemm_{layout}_n256_s3_{epilogue}_e4"
+        assert f"using Epilogue = dge::gemm::{cpp};" in c.code()
+        assert "EpilogueScatterSlots<" in gg.GemmConfig(layout, 256, epilogue=epilogue).code()
+    tn = gg.GemmConfig("tn", 256, epilogue_buffers=4)
+    assert tn.name == "sm90_bf16_grouped_gemm_tn_n256_s3_e4" and "KGroupedContiguous" in tn.code()
+    c2 = gg.GemmConfig("nt", 256, cluster_n=2, epilogue_buffers=4)
+    assert c2.name == "sm90_bf16_grouped_gemm_nt_n256_s3_c2_e4" and "256, 3, 2, false" in c2.code()
+    # The other knobs compose with it.
+    assert gg.GemmConfig("nt", 256, gather_a="tma", epilogue_buffers=4).name.endswith("_s3_gather_e4")
+    assert gg.GemmConfig("nt", 256, paired_n=True, epilogue_buffers=4).name.endswith("_s3_paired_e4")
+
+
+@pytest.mark.parametrize("kwargs", [dict(epilogue_buffers=3), dict(epilogue_buffers=0), dict(epilogue_buffers=8),
+                                    dict(epilogue_buffers=True), dict(epilogue_buffers="4"),
+                                    dict(epilogue_buffers=4.0)])
+def test_staging_config_rejects_values(kwargs):
+    with pytest.raises(ValueError, match=r"epilogue_buffers=.*expected one of \(2, 4\)"):
+        gg.GemmConfig("nt", 256, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,wrong", [
+    (dict(layout="nt", block_n=128), "block_n"),
+    (dict(layout="nn", block_n=128, epilogue="scatter"), "block_n"),
+    (dict(layout="nt", block_n=128, schedule="pingpong"), "schedule"),
+    (dict(layout="nt", block_n=256, paired_n=True, epilogue="swiglu_fwd"), "epilogue"),
+    (dict(layout="nn", block_n=256, epilogue="swiglu_bwd"), "epilogue"),
+    (dict(layout="nt", block_n=128, dtype="fp8"), "dtype"),
+])
+def test_staging_config_rejects_combinations(kwargs, wrong):
+    with pytest.raises(ValueError, match=rf"epilogue_buffers=4 takes .*got .*'{wrong}'"):
+        gg.GemmConfig(**kwargs, epilogue_buffers=4)
+
+
+def test_staging_launcher_checks_come_first():
+    """The knob is checked before the tensors' devices (CPU tensors here)."""
+    a, b = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(1, 256, 64, dtype=torch.bfloat16)
+    s, e = torch.zeros(1, dtype=torch.int32), torch.full((1,), 128, dtype=torch.int32)
+    for bad in (3, True, None, "4", 4.0):
+        msg = re.escape(f"epilogue_buffers={bad!r}: expected one of (2, 4)")
+        with pytest.raises(ValueError, match=msg):
+            gg.m_grouped_bf16_gemm_nt_contiguous(a, b, s, e, epilogue_buffers=bad)
+        with pytest.raises(ValueError, match=msg):
+            gg.m_grouped_bf16_gemm_nn_contiguous(a, b.transpose(1, 2).contiguous(), s, e, epilogue_buffers=bad)
+        with pytest.raises(ValueError, match=msg):
+            gg.k_grouped_bf16_gemm_tn_contiguous(a, a, s, e, epilogue_buffers=bad)
+    # On CPU tensors a valid value gets as far as the device check.
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(a, b, s, e, epilogue_buffers=4)
+
+
+def test_staging_falls_back_where_the_tile_is_128_wide():
+    assert gg._staged_buffers(4, 256, "cooperative") == 4
+    assert gg._staged_buffers(4, 128, "cooperative") == 2
+    assert gg._staged_buffers(4, 128, "pingpong") == 2
+    assert gg._staged_buffers(2, 256, "cooperative") == 2
+    assert gg.select_tile(384).block_n == 128 and gg.select_tile(200).block_n == 256
+    assert gg.select_tile(1000).block_n == 256
+
+
+def test_staging_configs_are_registered():
+    names = {c.name for items in jit.registered_configs().values() for c in items}
+    for layout in ("nt", "nn", "tn"):
+        assert f"sm90_bf16_grouped_gemm_{layout}_n256_s3_e4" in names
+    assert "sm90_bf16_grouped_gemm_nt_n256_s3_scatter_weighted_e4" in names
+    assert "sm90_bf16_grouped_gemm_nn_n256_s3_scatter_e4" in names
+    # Registering them changed no default config.
+    assert "sm90_bf16_grouped_gemm_nt_n256_s4" in names and "sm90_bf16_grouped_gemm_nt_n128_s6" in names
+
+
+_STAGED_CONFIGS = [c for c in gg._all_configs() if c.epilogue_buffers == 4]
+
+
+def _sass(kernel) -> str:
+    return subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _named_barrier_syncs(sass: str) -> int:
+    """bar.sync with a thread count (the warpgroups' named barriers; __syncthreads has none)."""
+    return len(re.findall(r"BAR\.SYNC(?:\.DEFER_BLOCKING)? R\d+, 0x80", sass))
+
+
+@requires_compiler
+@pytest.mark.parametrize("config", _STAGED_CONFIGS, ids=[c.name for c in _STAGED_CONFIGS])
+def test_staging_configs_compile(config):
+    kernel = config.kernel()
+    usage = kernel.resources()
+    assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
+    # 3 stages of 48 KiB + 4 buffers x 8 KiB x 2 warpgroups, the barriers, the 1024 of alignment slack.
+    assert config.smem_bytes() == 3 * 48 * 1024 + 64 * 1024 + 2 * 3 * 8 + 1024 <= _SMEM_LIMIT
+    log = (kernel.entry.path / "ptxas.log").read_text()
+    assert "wgmma.mma_async instructions are serialized" not in log, f"{config.name}: {log[-2000:]}"
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: compile checked, SASS not")
+    sass = _sass(kernel)
+    assert "HGMMA.64x256x16.F32.BF16" in sass, config.name
+    # The whole slice staged: two named-barrier syncs per tile (buffers free, slice staged) instead of
+    # two per chunk (eight at 256 wide), and no wait for a store inside the tile.
+    assert _named_barrier_syncs(sass) == 2, f"{config.name}: {_named_barrier_syncs(sass)} named-barrier syncs"
+    if config.epilogue == "store":
+        assert sass.count("UTMASTG.2D") == 4, config.name
+        assert not re.search(r"DEPBAR\.LE SB0, 0x1\b", sass), f"{config.name}: waits for a store inside the tile"
+        default = dataclasses.replace(config, epilogue_buffers=2)
+        assert _named_barrier_syncs(_sass(default.kernel())) == 8, default.name
+
+
+@requires_compiler
+def test_four_buffers_do_not_fit_four_stages():
+    """4 x 48 KiB stages + 64 KiB of staging exceed 227 KiB: SmemLayout's static_assert refuses them."""
+    code = gg.GemmConfig("nt", 256, epilogue_buffers=4).code().replace("256, 3, 1, false", "256, 4, 1, false")
+    assert "256, 4, 1, false" in code
+    with pytest.raises(RuntimeError, match="SmemLayout"):
+        compiler.compile_cached("sm90_bf16_grouped_gemm_nt_n256_s4_e4_overflow", code, "sm_90a")
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The config names the launchers ran, in order."""
+    names = []
+    launch = gg._launch
+
+    def spy(config, *args, **kwargs):
+        names.append(config.name)
+        return launch(config, *args, **kwargs)
+
+    monkeypatch.setattr(gg, "_launch", spy)
+    return names
+
+
+def _seed(*key) -> int:
+    """A seed per case, the same in every process (printed in the failure messages)."""
+    return zlib.crc32(repr(key).encode()) % 10_000
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _nan(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def _same_bits(e2: torch.Tensor, e4: torch.Tensor, what: str) -> None:
+    torch.cuda.synchronize()
+    diff = (_bits(e2) != _bits(e4)).nonzero()
+    assert diff.numel() == 0, (f"{what}: 4 buffers differ from 2 at {diff.shape[0]} elements, first "
+                               f"{diff[:4].tolist()}")
+
+
+def _check_ran(names: list[str], staged: bool, what: str) -> None:
+    assert len(names) == 2, f"{what}: launches {names}"
+    assert not names[0].endswith("_e4"), f"{what}: the 2-buffer run launched {names[0]}"
+    if staged:
+        assert names[1].endswith("_e4") and "_n256_s3" in names[1], f"{what}: the 4-buffer run launched {names[1]}"
+    else:
+        assert names[1] == names[0], f"{what}: expected the default kernel under both, got {names}"
+
+
+def _hand_pool():
+    """Expert 2 empty, ragged expert sizes, one pool block past ends[-1]."""
+    starts = torch.tensor([0, 256, 640, 768, 1152, 1280], dtype=torch.int32)
+    ends = torch.tensor([256, 640, 640, 1152, 1280, 1408], dtype=torch.int32)
+    return starts.cuda(), ends.cuda(), 1408 + 128
+
+
+def _routed_pool(num_tokens: int, num_experts: int, top_k: int, routing: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
+    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
+    return meta.starts, meta.ends, meta.num_pool_rows
+
+
+def _pool(kind: str, tokens: int, seed: int):
+    return _hand_pool() if kind == "hand" else _routed_pool(tokens, 16, 4, kind, seed)
+
+
+def _m_ref(a: torch.Tensor, w_of, starts, ends, n: int) -> torch.Tensor:
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.float64, device="cuda")
+    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if t > s:
+            out[s:t] = a[s:t].double() @ w_of(e).double()
+    return out
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-2) -> None:
+    unwritten = torch.isnan(ref)
+    assert torch.isnan(got[unwritten].float()).all(), f"{what}: rows no expert owns were written"
+    g, r = got[~unwritten].double(), ref[~unwritten]
+    assert not torch.isnan(g).any(), f"{what}: elements left unwritten"
+    if r.numel():
+        err = ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
+        assert err < tol, f"{what}: rel error {err:.2e}"
+
+
+_M_POOLS = [("hand", 0), ("uniform", 777), ("zipf", 600), ("empty_experts", 500), ("one_expert", 300),
+            ("uniform", 1)]
+# (N, K): N a multiple of 256 (768, 1024), ragged N on 256-wide tiles (200, 1000), ragged K (136, 320),
+# and N = 384, which a 128-wide tile pads less (the default kernel under both).
+_M_SHAPES = [(768, 512), (1024, 256), (200, 136), (1000, 320), (384, 320)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind,tokens", _M_POOLS)
+@pytest.mark.parametrize("n,k", _M_SHAPES)
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_m_grouped_staging(kind, tokens, n, k, layout, launched):
+    seed = _seed(kind, tokens, n, k, layout)
+    starts, ends, rows = _pool(kind, tokens, seed)
+    if layout == "nn" and k % 64:
+        k += 64 - k % 64  # [E, K, N] weights are read in whole 64-deep k-blocks
+    g = torch.Generator().manual_seed(seed)
+    num_experts = starts.shape[0]
+    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
+    shape = (num_experts, n, k) if layout == "nt" else (num_experts, k, n)
+    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
+    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
+    what = f"{layout} {kind} T={tokens} N={n} K={k} seed={seed}"
+    e2 = fn(a, b, starts, ends, _nan(rows, n))
+    e4 = fn(a, b, starts, ends, _nan(rows, n), epilogue_buffers=4)
+    _check_ran(launched, gg.select_tile(n).block_n == 256, what)
+    _same_bits(e2, e4, what)
+    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
+    _close(e2, _m_ref(a, w_of, starts, ends, n), what)
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind,tokens", [("uniform", 777), ("zipf", 600), ("empty_experts", 500),
+                                         ("one_expert", 300), ("uniform", 1)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("layout,n", [("nt", 768), ("nn", 1000)])
+def test_scatter_staging(kind, tokens, weighted, layout, n, launched):
+    seed = _seed(kind, tokens, weighted, layout, n)
+    g = torch.Generator().manual_seed(seed)
+    idx = make_routing(tokens, 16, 4, kind, generator=g).cuda()
+    meta = compute_routing_torch(idx, 16, gg.GROUP_ALIGNMENT)
+    rows, k, slots = meta.num_pool_rows, 512, tokens * 4
+    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
+    shape = (16, n, k) if layout == "nt" else (16, k, n)
+    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
+    weights = torch.rand(tokens, 4, generator=g).cuda() if weighted else None
+    scatter = gg.Scatter(meta.row_to_slot, slots, weights)
+    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
+    what = f"{layout} scatter weighted={weighted} {kind} T={tokens} N={n} seed={seed}"
+    e2 = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter)
+    e4 = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter, epilogue_buffers=4)
+    _check_ran(launched, True, what)
+    _same_bits(e2, e4, what)
+    live = meta.slot_to_row >= 0
+    ref = torch.full((slots, n), float("nan"), dtype=torch.float64, device="cuda")
+    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
+    pool_ref = _m_ref(a, w_of, meta.starts, meta.ends, n)
+    ref[live] = pool_ref[meta.slot_to_row[live].long()] * (
+        weights.reshape(-1)[live].double()[:, None] if weighted else 1.0)
+    _close(e4, ref, what)
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind,tokens", [("uniform", 777), ("empty_experts", 500), ("one_expert", 300),
+                                         ("uniform", 1)])
+@pytest.mark.parametrize("m,n", [(384, 768), (256, 1000), (640, 200)])
+def test_k_grouped_staging(kind, tokens, m, n, launched):
+    seed = _seed(kind, tokens, m, n)
+    starts, ends, rows = _routed_pool(tokens, 16, 4, kind, seed)
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(rows, m, generator=g).cuda().to(torch.bfloat16)
+    b = torch.randn(rows, n, generator=g).cuda().to(torch.bfloat16)
+    what = f"tn {kind} T={tokens} M={m} N={n} seed={seed}"
+    e2 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n))
+    e4 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n), epilogue_buffers=4)
+    _check_ran(launched, True, what)
+    _same_bits(e2, e4, what)
+    ref = torch.zeros(16, m, n, dtype=torch.float64, device="cuda")
+    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
+        ref[e] = a[s:t].double().T @ b[s:t].double()
+    assert not torch.isnan(e4.float()).any(), f"{what}: elements left unwritten"
+    err = ((e2.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < 1e-2, f"{what}: rel error {err:.2e}"
+
+
+@requires_hopper
+@pytest.mark.parametrize("variant", ["paired", "gather_tma", "gather_cp_async", "cluster"])
+def test_staging_with_other_knobs(variant, launched):
+    """4 buffers under paired N tiles, both gathering loaders and clusters of 2: the same bits as the
+    default kernel of that variant."""
+    seed = _seed("variant", variant)
+    g = torch.Generator().manual_seed(seed)
+    tokens, experts, top_k, n, k = 600, 16, 4, 1024, 320
+    idx = make_routing(tokens, experts, top_k, "zipf", generator=g).cuda()
+    meta = compute_routing_torch(idx, experts, gg.GROUP_ALIGNMENT)
+    rows = meta.num_pool_rows
+    x = torch.randn(tokens, k, generator=g).cuda().to(torch.bfloat16)
+    b = (torch.randn(experts, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
+    pool = torch.zeros(rows, k, dtype=torch.bfloat16, device="cuda")
+    live = meta.row_to_slot >= 0
+    pool[live] = x[meta.row_to_slot[live].long() // top_k]
+    kw, a = {}, pool
+    if variant == "paired":
+        kw = dict(paired_n=True)
+    elif variant == "cluster":
+        kw = dict(cluster_n=2)
+    else:
+        kw, a = dict(gather=gg.Gather(meta.row_to_slot, top_k, variant.removeprefix("gather_"))), x
+    what = f"{variant} seed={seed}"
+    run = gg.m_grouped_bf16_gemm_nt_contiguous
+    e2 = run(a, b, meta.starts, meta.ends, _nan(rows, n), **kw)
+    e4 = run(a, b, meta.starts, meta.ends, _nan(rows, n), epilogue_buffers=4, **kw)
+    _check_ran(launched, True, what)
+    _same_bits(e2, e4, what)
+    _close(e4, _m_ref(pool, lambda e: b[e].T, meta.starts, meta.ends, n), what)
+
+
+@requires_hopper
+def test_staging_without_rows(launched):
+    starts = torch.zeros(4, dtype=torch.int32, device="cuda")
+    a = torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(4, 768, 256, device="cuda").to(torch.bfloat16)
+    assert gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, epilogue_buffers=4).shape == (0, 768)
+    assert launched == []
+    # Rows in the pool, none owned by an expert: nothing written.
+    a = torch.randn(256, 256, device="cuda").to(torch.bfloat16)
+    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, _nan(256, 768), epilogue_buffers=4)
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all()
+    # K-grouped without rows: zeros, no launch.
+    out = gg.k_grouped_bf16_gemm_tn_contiguous(a[:0], a[:0], starts, starts, _nan(4, 256, 256), epilogue_buffers=4)
+    torch.cuda.synchronize()
+    assert (out.float() == 0).all()
+
+
+@requires_hopper
+def test_staging_many_tiles_per_cta(launched):
+    """Many tiles per persistent CTA, so that each tile's first chunk waits for the previous tile's
+    stores: a long pool with a short K (a short mainloop between epilogues)."""
+    seed = _seed("many")
+    starts, ends, rows = _routed_pool(16384, 8, 2, "uniform", seed)
+    g = torch.Generator().manual_seed(seed)
+    n, k = 2048, 64
+    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
+    b = (torch.randn(8, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
+    what = f"many tiles seed={seed}"
+    e2 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n))
+    e4 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n), epilogue_buffers=4)
+    _check_ran(launched, True, what)
+    _same_bits(e2, e4, what)
+    _close(e4, _m_ref(a, lambda e: b[e].T, starts, ends, n), what)
