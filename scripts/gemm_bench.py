@@ -301,9 +301,10 @@ def _fp8_table(args) -> int:
     return 0 if all(r["fp8_overlap_bit_identical"] for r in results) else 1
 
 
-def _cluster_cases(w):
-    """(dtype, name, dense (M, N, K), fn(cluster_n) -> output) per GEMM of the layer, and the pool rows
-    the experts own."""
+def _layer_operands(w):
+    """Random operands of the layer's GEMMs (seed 0, uniform routing): the routing metadata, expert
+    ranges and pool sizes, the x / act / dy / dh pools (padding rows zero), the two weights, and the
+    weighted (combine) and unweighted slot scatters."""
     torch.manual_seed(0)
     idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
     meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
@@ -319,6 +320,13 @@ def _cluster_cases(w):
     weights = torch.rand(T, K, device="cuda")
     combine = gg.Scatter(meta.row_to_slot, T * K, weights)
     plain = gg.Scatter(meta.row_to_slot, T * K)
+    return meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain
+
+
+def _cluster_cases(w):
+    """(dtype, name, dense (M, N, K), fn(cluster_n) -> output) per GEMM of the layer, and the pool rows
+    the experts own."""
+    (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
     nt, nn, tn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous, \
         gg.k_grouped_bf16_gemm_tn_contiguous
     cases = [
@@ -392,21 +400,7 @@ def _cluster_table(args) -> int:
 def _epilogue_cases(w):
     """(name, dense (M, N, K), fn(epilogue_buffers) -> output, N of the GEMM's output) per bf16 GEMM of the
     layer, and the pool rows the experts own."""
-    torch.manual_seed(0)
-    idx = make_routing(w.num_tokens, w.num_experts, w.top_k, "uniform").cuda()
-    meta = compute_routing_torch(idx, w.num_experts, gg.GROUP_ALIGNMENT)
-    starts, ends = meta.starts, meta.ends
-    used = int(ends[-1].item())
-    pad = meta.row_to_slot < 0
-    rows = meta.num_pool_rows
-    E, H, I, T, K = w.num_experts, w.hidden, w.intermediate, w.num_tokens, w.top_k
-    x, act = _pool(rows, H, pad), _pool(rows, I, pad)
-    dy, dh = _pool(rows, H, pad), _pool(rows, 2 * I, pad)
-    l1 = (torch.randn(E, 2 * I, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
-    l2 = (torch.randn(E, H, I, device="cuda") / I ** 0.5).to(torch.bfloat16)
-    weights = torch.rand(T, K, device="cuda")
-    combine = gg.Scatter(meta.row_to_slot, T * K, weights)
-    plain = gg.Scatter(meta.row_to_slot, T * K)
+    (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
     nt, nn, tn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous, \
         gg.k_grouped_bf16_gemm_tn_contiguous
     cases = [

@@ -33,6 +33,7 @@ from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
 
 from conftest import requires_compiler, requires_hopper
+from gpu_utils import assert_close_where_owned, m_grouped_reference
 
 _CUOBJDUMP = shutil.which("cuobjdump") or (
     "/usr/local/cuda/bin/cuobjdump" if shutil.which("/usr/local/cuda/bin/cuobjdump") else None)
@@ -161,22 +162,6 @@ def _routed_pool(num_tokens: int, num_experts: int, top_k: int, routing: str, se
     return meta.starts, meta.ends, meta.num_pool_rows
 
 
-def _m_ref(a: torch.Tensor, w_of, starts, ends, n: int) -> torch.Tensor:
-    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.float64, device="cuda")
-    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
-        if t > s:
-            out[s:t] = a[s:t].double() @ w_of(e).double()
-    return out
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-2) -> None:
-    unwritten = torch.isnan(ref)
-    assert torch.isnan(got[unwritten].float()).all(), f"{what}: rows no expert owns were written"
-    g, r = got[~unwritten].double(), ref[~unwritten]
-    assert not torch.isnan(g).any(), f"{what}: elements left unwritten"
-    if r.numel():
-        err = ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
-        assert err < tol, f"{what}: rel error {err:.2e}"
 
 
 _M_POOLS = [("hand", 0), ("uniform", 777), ("zipf", 600), ("empty_experts", 500), ("one_expert", 300),
@@ -211,7 +196,7 @@ def test_bf16_m_grouped_clusters(kind, tokens, n, k, layout):
     c2 = fn(a, b, starts, ends, _nan(rows, n), cluster_n=2)
     _same_bits(c1, c2, what)
     w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    _close(c2, _m_ref(a, w_of, starts, ends, n), what)
+    assert_close_where_owned(c2, m_grouped_reference(a, w_of, starts, ends, n), what)
 
 
 @requires_hopper
@@ -240,10 +225,10 @@ def test_bf16_scatter_clusters(kind, tokens, weighted, layout):
     live = meta.slot_to_row >= 0
     ref = torch.full((slots, n), float("nan"), dtype=torch.float64, device="cuda")
     w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    pool_ref = _m_ref(a, w_of, meta.starts, meta.ends, n)
+    pool_ref = m_grouped_reference(a, w_of, meta.starts, meta.ends, n)
     ref[live] = pool_ref[meta.slot_to_row[live].long()] * (
         weights.reshape(-1)[live].double()[:, None] if weighted else 1.0)
-    _close(c2, ref, what)
+    assert_close_where_owned(c2, ref, what)
     if not weighted:  # the unweighted scatter moves the stored rows unchanged
         assert torch.equal(_bits(c2[live]), _bits(store[meta.slot_to_row[live].long()])), what
 
@@ -297,7 +282,7 @@ def test_fp8_m_grouped_clusters(kind, tokens, n, k, mainloop):
     ref = torch.full((rows, n), float("nan"), dtype=torch.float64, device="cuda")
     for s, t in zip(starts.tolist(), ends.tolist()):
         ref[s:t] = emu[s:t].double()
-    _close(c2, ref, what, tol=2e-2)
+    assert_close_where_owned(c2, ref, what, tol=2e-2)
 
 
 @requires_hopper

@@ -34,6 +34,7 @@ from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
 
 from conftest import requires_compiler, requires_hopper
+from gpu_utils import assert_close_where_owned, m_grouped_reference
 
 
 def _find_cuobjdump():
@@ -248,22 +249,6 @@ def _pool(kind: str, tokens: int, seed: int):
     return _hand_pool() if kind == "hand" else _routed_pool(tokens, 16, 4, kind, seed)
 
 
-def _m_ref(a: torch.Tensor, w_of, starts, ends, n: int) -> torch.Tensor:
-    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.float64, device="cuda")
-    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
-        if t > s:
-            out[s:t] = a[s:t].double() @ w_of(e).double()
-    return out
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-2) -> None:
-    unwritten = torch.isnan(ref)
-    assert torch.isnan(got[unwritten].float()).all(), f"{what}: rows no expert owns were written"
-    g, r = got[~unwritten].double(), ref[~unwritten]
-    assert not torch.isnan(g).any(), f"{what}: elements left unwritten"
-    if r.numel():
-        err = ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
-        assert err < tol, f"{what}: rel error {err:.2e}"
 
 
 _M_POOLS = [("hand", 0), ("uniform", 777), ("zipf", 600), ("empty_experts", 500), ("one_expert", 300),
@@ -294,7 +279,7 @@ def test_m_grouped_staging(kind, tokens, n, k, layout, launched):
     _check_ran(launched, gg.select_tile(n).block_n == 256, what)
     _same_bits(e2, e4, what)
     w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    _close(e2, _m_ref(a, w_of, starts, ends, n), what)
+    assert_close_where_owned(e2, m_grouped_reference(a, w_of, starts, ends, n), what)
 
 
 @requires_hopper
@@ -322,10 +307,10 @@ def test_scatter_staging(kind, tokens, weighted, layout, n, launched):
     live = meta.slot_to_row >= 0
     ref = torch.full((slots, n), float("nan"), dtype=torch.float64, device="cuda")
     w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    pool_ref = _m_ref(a, w_of, meta.starts, meta.ends, n)
+    pool_ref = m_grouped_reference(a, w_of, meta.starts, meta.ends, n)
     ref[live] = pool_ref[meta.slot_to_row[live].long()] * (
         weights.reshape(-1)[live].double()[:, None] if weighted else 1.0)
-    _close(e4, ref, what)
+    assert_close_where_owned(e4, ref, what)
 
 
 @requires_hopper
@@ -380,7 +365,7 @@ def test_staging_with_other_knobs(variant, launched):
     e4 = run(a, b, meta.starts, meta.ends, _nan(rows, n), epilogue_buffers=4, **kw)
     _check_ran(launched, True, what)
     _same_bits(e2, e4, what)
-    _close(e4, _m_ref(pool, lambda e: b[e].T, meta.starts, meta.ends, n), what)
+    assert_close_where_owned(e4, m_grouped_reference(pool, lambda e: b[e].T, meta.starts, meta.ends, n), what)
 
 
 @requires_hopper
@@ -416,4 +401,4 @@ def test_staging_many_tiles_per_cta(launched):
     e4 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n), epilogue_buffers=4)
     _check_ran(launched, True, what)
     _same_bits(e2, e4, what)
-    _close(e4, _m_ref(a, lambda e: b[e].T, starts, ends, n), what)
+    assert_close_where_owned(e4, m_grouped_reference(a, lambda e: b[e].T, starts, ends, n), what)

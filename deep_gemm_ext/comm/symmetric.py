@@ -26,7 +26,6 @@ one allocation.
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from typing import NamedTuple
 
