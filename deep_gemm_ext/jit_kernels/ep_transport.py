@@ -209,20 +209,6 @@ def pull_sum(transport: Transport, capacity: int, sent: torch.Tensor, hidden: in
     return out, d_topk
 
 
-class Arrivals(NamedTuple):
-    """Where the rows of a dispatch stand while ``pull_rows_arrive`` still writes them:
-    ``arrivals [W]`` (int64 viewed as u64 on the device) holds, per source rank, the epoch of the
-    last dispatch whose block of that source is complete; ``epoch`` is a one-element view of this
-    rank's epoch in its region (the value the L1 GEMM's loader waits for, read on the device);
-    ``capacity`` rows per source block; ``done`` the side stream's event recorded after the pull
-    (the stream that reads the rows for anything but the waiting GEMM waits on it first)."""
-    arrivals: torch.Tensor
-    epoch: torch.Tensor
-    capacity: int
-    rank: int
-    timeout_ns: int
-    done: "torch.cuda.Event | None" = None
-
 
 def pull_meta(transport: Transport, capacity: int, top_k: int, num_local_experts: int, weight_dtype: torch.dtype):
     """``(idx_r [R, K] int32, w_r [R, K] weight_dtype, received [R] bool)``: pull_dispatch's
