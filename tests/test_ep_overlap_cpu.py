@@ -69,7 +69,7 @@ def test_waiting_gemm_configs_render():
         assert "dge::gemm::LoaderGatherCpAsyncAwait" in code
         # The loader's arguments come right after the core's, before the epilogue's.
         assert c.args[:len(gg.CORE_ARGS) + len(gg.AWAIT_ARGS)] == gg.CORE_ARGS + gg.AWAIT_ARGS
-        assert "const long long*, const long long*, uint32_t, unsigned long long, int, long long*" in code
+        assert "const long long*, const long long*, uint32_t, unsigned long long, int, long long*, const int*" in code
     # The default configs are untouched: no await arguments, the same loaders.
     for c in gg._all_configs():
         if not c.await_rows:
@@ -114,3 +114,26 @@ def test_overlap_kernels_compile_without_spills_or_serialized_wgmma(tmp_path, mo
         assert "C7510" not in log, f"{name}: {log}"
         if is_gemm:
             assert "wgmma.mma_async" in entry.ptx_path.read_text()
+
+
+def test_arrival_block_order():
+    """The waiting GEMM's M-block order: a permutation whose first ceil(ends[-1] / 128) entries are
+    the used blocks, sorted by the latest arrival among their rows' sources, pool order within a key."""
+    world, cap, top_k, rank = 4, 100, 2, 1
+    wait = gg.AwaitRows(torch.zeros(world, dtype=torch.int64), torch.ones(1, dtype=torch.int64), cap, rank, 1, 1,
+                        torch.zeros(5, dtype=torch.int64))
+    g = torch.Generator().manual_seed(5)
+    # 7 blocks of rows, the last two past the last expert; each used block holds rows of random sources.
+    row_to_slot = torch.full((7 * 128 - 10,), -1, dtype=torch.int32)
+    sources = []
+    for block in range(5):
+        picks = torch.randint(0, world, (3,), generator=g)
+        sources.append(picks)
+        for i, s in enumerate(picks.tolist()):
+            row_to_slot[block * 128 + i] = (s * cap + i) * top_k
+    ends = torch.tensor([256, 640], dtype=torch.int32)
+    order = gg.arrival_block_order(row_to_slot, top_k, wait, ends)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(7))
+    assert order[5:].tolist() == [5, 6]
+    keys = [max((s - rank) % world for s in picks.tolist()) for picks in sources]
+    assert order[:5].tolist() == sorted(range(5), key=lambda b: (keys[b], b))

@@ -117,7 +117,8 @@ GATHER_MODES = ("tma", "cp_async")
 _AWAIT_LOADER = "dge::gemm::LoaderGatherCpAsyncAwait"
 AWAIT_ARGS = (KernelArg("await_arrivals", "const long long*"), KernelArg("await_epoch", "const long long*"),
               KernelArg("await_capacity", "uint32_t"), KernelArg("await_timeout_ns", "unsigned long long"),
-              KernelArg("await_rank", "int"), KernelArg("await_report", "long long*"))
+              KernelArg("await_rank", "int"), KernelArg("await_report", "long long*"),
+              KernelArg("await_m_order", "const int*"))
 #: What the waiting loader takes: the L1 forward's layout and gather, bf16, no clusters.
 _AWAIT_RULES = dict(layout="nt", gather_a="cp_async", gather_b=False, dtype="bf16", cluster_n=1)
 
@@ -551,6 +552,24 @@ def _check_await(gather: Gather) -> None:
         raise ValueError(f"gather.await_rows.rank={w.rank}: expected < W={w.arrivals.shape[0]} (arrivals' length)")
 
 
+def arrival_block_order(row_to_slot: torch.Tensor, top_k: int, wait: AwaitRows, ends: torch.Tensor) -> torch.Tensor:
+    """The pool's 128-row M blocks in the order their rows arrive (int32 [ceil(P / 128)], torch ops,
+    no sync): a block's key is the latest arrival among the sources of its rows, source s arriving
+    (s - rank) mod W-th (the row pull walks me, me + 1, ...); blocks with no row key 0, blocks past
+    the last expert's end W, after all used ones. A stable sort keeps pool order (expert by expert)
+    among the blocks of one key. The waiting GEMM's scheduler walks its tiles in this order."""
+    world = wait.arrivals.shape[0]
+    rows = row_to_slot.shape[0]
+    num_blocks = -(-rows // _BLOCK_M)
+    slots = torch.nn.functional.pad(row_to_slot.long(), (0, num_blocks * _BLOCK_M - rows), value=-1)
+    slots = slots.view(num_blocks, _BLOCK_M)
+    source = torch.div(slots, top_k * wait.capacity, rounding_mode="floor")
+    key = torch.where(slots >= 0, torch.remainder(source - wait.rank, world), 0).amax(1)
+    used = torch.div(ends[-1:].long() + _BLOCK_M - 1, _BLOCK_M, rounding_mode="floor")
+    key = torch.where(torch.arange(num_blocks, device=key.device) < used, key, world)
+    return torch.sort(key, stable=True).indices.to(torch.int32)
+
+
 def _await_of(gather: Gather | None) -> AwaitRows | None:
     return gather.await_rows if gather is not None and len(gather) > 3 else None
 
@@ -620,7 +639,8 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
         if wait is None:
             raise ValueError(f"{config.name}: the waiting loader needs gather.await_rows")
         gather_args.update(await_arrivals=wait.arrivals, await_epoch=wait.epoch, await_capacity=wait.capacity,
-                           await_timeout_ns=wait.timeout_ns, await_rank=wait.rank, await_report=wait.report)
+                           await_timeout_ns=wait.timeout_ns, await_rank=wait.rank, await_report=wait.report,
+                           await_m_order=arrival_block_order(gather.row_to_slot, gather.top_k, wait, ends))
     if _env.print_configs():
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
               f"stages={config.stages} grid={grid[0]} cluster={config.cluster_n} tiles<={max_tiles} smem={smem}",

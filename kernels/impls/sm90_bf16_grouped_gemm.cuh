@@ -110,7 +110,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     using Pipeline = sm90::TmaPipeline<Traits::kNumStages, Traits::kNumConsumerWarpsPerStage, Traits::kClusterN,
                                        Load::kCopyArrivals>;
     using Scheduler =
-        sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN>;
+        sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN,
+                                Load::kOrderedM>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     constexpr uint32_t kClusterN = Traits::kClusterN;
     static_assert(Load::kNumArgs == 0 || MMA::kNumArgs == 0, "a loader with kernel arguments takes the bf16 mainloop");
@@ -152,6 +153,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
             Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                                 cta_rank);
+            if constexpr (Load::kOrderedM)
+                scheduler.m_order = Load::m_order(extra_args...);
             sm90::PipelineState<Traits::kNumStages> st;
             sched::GroupedTile tile;
             while (scheduler.next(tile)) {
@@ -166,6 +169,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
+        if constexpr (Load::kOrderedM)  // the producer's order: both walk the same tiles
+            scheduler.m_order = Load::m_order(extra_args...);
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
         // The mainloop reads its leading kernel arguments; the epilogue gets the rest.
         const typename MMA::Params mainloop_params(shape_m, shape_n, shape_k, extra_args...);

@@ -13,6 +13,9 @@
 //   static constexpr uint32_t kNumArgs;           leading kernel arguments (after the core's) the
 //                                                 loader reads: its constructor takes them after the
 //                                                 thread index (LoaderGatherCpAsyncAwait's; 0 else)
+//   static constexpr bool kOrderedM;              the scheduler walks the M blocks in the order
+//                                                 Loader::m_order(kernel arguments...) gives (false
+//                                                 but for LoaderGatherCpAsyncAwait)
 //   void begin_tile(const GroupedTile&);          per-tile state (e.g. gathered source rows)
 //   void load(const Pipe&, const PipelineState&, const GroupedTile&, const Columns&, uint32_t kb);
 //     waits for the stage to be free and fills it; every thread that runs() calls it.
@@ -150,6 +153,7 @@ struct LoaderTma {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     static constexpr uint32_t kNumArgs = 0;
+    static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 0;
     static constexpr bool kGenericProxyWrites = false;
 
@@ -205,6 +209,7 @@ struct LoaderGatherTmaRows {
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     using Gather = GatherLayout<true, false, 2>;
     static constexpr uint32_t kNumArgs = 0;
+    static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 0;
     static constexpr bool kGenericProxyWrites = false;
 
@@ -252,6 +257,7 @@ struct LoaderGatherCpAsync {
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     using Gather = GatherLayout<false, Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;
     static constexpr uint32_t kNumArgs = 0;
+    static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 128;
     static constexpr bool kGenericProxyWrites = true;
 
@@ -340,13 +346,16 @@ struct LoaderGatherCpAsync {
 // Kernel arguments (kNumArgs, after the core's): arrivals [W] (u64 in int64 storage), the epoch (a
 // pointer to this rank's epoch in its region, read once: the GEMM runs between the dispatch's
 // pull and the next piece's publish, so it is stable), cap, timeout_ns, rank, report [5] (int64:
-// set flag, rank, source, awaited epoch, seen).
+// set flag, rank, source, awaited epoch, seen), m_order [ceil(P / 128)] int32: the M blocks in the
+// order their rows arrive (kOrderedM: the scheduler walks them so, or every CTA would soon wait at a
+// tile of a late source, since each expert's rows run through all sources in slot order).
 template <class Traits>
 struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits, false> {
     using Base = LoaderGatherCpAsync<Traits, false>;
     using typename Base::Stages;
     static_assert(!Traits::kKGrouped, "the waiting loader gathers the A of M-grouped GEMMs (the L1 forward)");
-    static constexpr uint32_t kNumArgs = 6;
+    static constexpr uint32_t kNumArgs = 7;
+    static constexpr bool kOrderedM = true;
 
     const unsigned long long* arrivals;
     unsigned long long epoch;
@@ -360,10 +369,17 @@ struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits, false> {
     __device__ LoaderGatherCpAsyncAwait(const LoaderArgs& args_, const Stages& stages_, uint32_t thread,
                                         const long long* arrivals_, const long long* epoch_, uint32_t capacity_,
                                         unsigned long long timeout_ns_, int rank_, long long* report_,
-                                        const Rest&...)
+                                        const int*, const Rest&...)
         : Base(args_, stages_, thread), arrivals(reinterpret_cast<const unsigned long long*>(arrivals_)),
           epoch(*reinterpret_cast<const volatile unsigned long long*>(epoch_)), capacity(capacity_),
           timeout_ns(timeout_ns_), rank(rank_), report(report_), lane(thread % 32) {}
+
+    template <class... Rest>
+    __device__ __forceinline__ static const int* m_order(const long long*, const long long*, uint32_t,
+                                                         unsigned long long, int, long long*, const int* order,
+                                                         const Rest&...) {
+        return order;
+    }
 
     __device__ __forceinline__ static unsigned long long load_acquire(const unsigned long long* ptr) {
         unsigned long long value;
