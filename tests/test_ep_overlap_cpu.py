@@ -3,6 +3,7 @@ choice, the waiting GEMM configs and the split transport kernels (render and, wi
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,8 @@ def test_waiting_gemm_configs_render():
         assert "dge::gemm::LoaderGatherCpAsyncAwait" in code
         # The loader's arguments come right after the core's, before the epilogue's.
         assert c.args[:len(gg.CORE_ARGS) + len(gg.AWAIT_ARGS)] == gg.CORE_ARGS + gg.AWAIT_ARGS
-        assert "const long long*, const long long*, uint32_t, unsigned long long, int, long long*, const int*" in code
+        assert ("const long long*, const long long*, uint32_t, unsigned long long, int, unsigned long long, "
+                "const int*") in code
     # The default configs are untouched: no await arguments, the same loaders.
     for c in gg._all_configs():
         if not c.await_rows:
@@ -95,8 +97,7 @@ def test_split_transport_configs_registered():
     assert "long long*, int*, unsigned long long" in code["ep_transport_pull_rows_arrive"]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and not __import__("pathlib").Path("/usr/local/cuda/bin/nvcc").exists(),
-                    reason="needs nvcc")
+@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(), reason="needs nvcc")
 def test_overlap_kernels_compile_without_spills_or_serialized_wgmma(tmp_path, monkeypatch):
     from deep_gemm_ext.jit.compiler import compile_cached
 

@@ -318,7 +318,8 @@ class SymmetricEpBuffer:
                 raise ValueError(f"DGE_EP_OVERLAP with {self.world_size} emulated ranks of blocks={self.blocks} on "
                                  f"{sms} SMs: the waiting L1 GEMMs would get no SM beside 2 * W * blocks = "
                                  f"{2 * self.world_size * self.blocks} transport CTAs; create the buffers with "
-                                 f"emulated_ep_buffers(..., blocks=b), b <= {(sms - self.world_size) // (2 * self.world_size)}")
+                                 f"emulated_ep_buffers(..., blocks=b), b <= "
+                                 f"{(sms - self.world_size) // (2 * self.world_size)}")
             return ctas
         if sms - self.blocks < 1:
             raise ValueError(f"DGE_EP_OVERLAP: blocks={self.blocks} transport CTAs leave no SM of {sms} to the L1 GEMM")
@@ -449,7 +450,8 @@ class SymmetricExchange(BlockedExchange):
         from ..jit_kernels import AwaitRows, ep_transport
 
         if self.fp8_rows:
-            raise ValueError("dispatch_overlapped: the overlapped dispatch moves bf16 rows; this exchange sends fp8 rows")
+            raise ValueError("dispatch_overlapped: the overlapped dispatch moves bf16 rows; this exchange sends "
+                             "fp8 rows")
         if x.dtype != torch.bfloat16:
             raise ValueError(f"dispatch_overlapped: x has dtype {x.dtype}; the waiting L1 GEMM reads bf16 rows")
         buffer = self.buffer

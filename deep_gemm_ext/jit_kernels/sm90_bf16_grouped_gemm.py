@@ -117,7 +117,7 @@ GATHER_MODES = ("tma", "cp_async")
 _AWAIT_LOADER = "dge::gemm::LoaderGatherCpAsyncAwait"
 AWAIT_ARGS = (KernelArg("await_arrivals", "const long long*"), KernelArg("await_epoch", "const long long*"),
               KernelArg("await_capacity", "uint32_t"), KernelArg("await_timeout_ns", "unsigned long long"),
-              KernelArg("await_rank", "int"), KernelArg("await_report", "long long*"),
+              KernelArg("await_rank", "int"), KernelArg("await_report", "unsigned long long"),
               KernelArg("await_m_order", "const int*"))
 #: What the waiting loader takes: the L1 forward's layout and gather, bf16, no clusters.
 _AWAIT_RULES = dict(layout="nt", gather_a="cp_async", gather_b=False, dtype="bf16", cluster_n=1)
@@ -639,7 +639,7 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
         if wait is None:
             raise ValueError(f"{config.name}: the waiting loader needs gather.await_rows")
         gather_args.update(await_arrivals=wait.arrivals, await_epoch=wait.epoch, await_capacity=wait.capacity,
-                           await_timeout_ns=wait.timeout_ns, await_rank=wait.rank, await_report=wait.report,
+                           await_timeout_ns=wait.timeout_ns, await_rank=wait.rank, await_report=wait.report.data_ptr(),
                            await_m_order=arrival_block_order(gather.row_to_slot, gather.top_k, wait, ends))
     if _env.print_configs():
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "

@@ -345,8 +345,9 @@ struct LoaderGatherCpAsync {
 // (C7510, "wgmma pipeline crossing function boundary"), and vprintf is a call.
 // Kernel arguments (kNumArgs, after the core's): arrivals [W] (u64 in int64 storage), the epoch (a
 // pointer to this rank's epoch in its region, read once: the GEMM runs between the dispatch's
-// pull and the next piece's publish, so it is stable), cap, timeout_ns, rank, report [5] (int64:
-// set flag, rank, source, awaited epoch, seen), m_order [ceil(P / 128)] int32: the M blocks in the
+// pull and the next piece's publish, so it is stable), cap, timeout_ns, rank, report (the address of
+// a pinned host int64 [5]: set flag, rank, source, awaited epoch, seen; under unified addressing a
+// pinned host pointer is valid in kernels), m_order [ceil(P / 128)] int32: the M blocks in the
 // order their rows arrive (kOrderedM: the scheduler walks them so, or every CTA would soon wait at a
 // tile of a late source, since each expert's rows run through all sources in slot order).
 template <class Traits>
@@ -368,15 +369,16 @@ struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits, false> {
     template <class... Rest>
     __device__ LoaderGatherCpAsyncAwait(const LoaderArgs& args_, const Stages& stages_, uint32_t thread,
                                         const long long* arrivals_, const long long* epoch_, uint32_t capacity_,
-                                        unsigned long long timeout_ns_, int rank_, long long* report_,
+                                        unsigned long long timeout_ns_, int rank_, unsigned long long report_,
                                         const int*, const Rest&...)
         : Base(args_, stages_, thread), arrivals(reinterpret_cast<const unsigned long long*>(arrivals_)),
           epoch(*reinterpret_cast<const volatile unsigned long long*>(epoch_)), capacity(capacity_),
-          timeout_ns(timeout_ns_), rank(rank_), report(report_), lane(thread % 32) {}
+          timeout_ns(timeout_ns_), rank(rank_), report(reinterpret_cast<volatile long long*>(report_)),
+          lane(thread % 32) {}
 
     template <class... Rest>
     __device__ __forceinline__ static const int* m_order(const long long*, const long long*, uint32_t,
-                                                         unsigned long long, int, long long*, const int* order,
+                                                         unsigned long long, int, unsigned long long, const int* order,
                                                          const Rest&...) {
         return order;
     }
