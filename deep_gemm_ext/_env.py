@@ -163,6 +163,13 @@ def ep_timeout_s() -> float:
     return value
 
 
+def ep_overlap() -> bool:
+    """DGE_EP_OVERLAP: overlap the symmetric-memory dispatch's pull of x's rows with the L1 forward
+    GEMM, which waits tile by tile for the source ranks of its rows (default off; bf16 rows, the
+    sm90 provider with the cp.async gather; elsewhere the layer runs as without it)."""
+    return _flag("DGE_EP_OVERLAP")
+
+
 def cuda_device_max_connections() -> int:
     """CUDA_DEVICE_MAX_CONNECTIONS (the CUDA driver's, read when the context is created; default 8):
     hardware queues the device's streams share. Ranks emulated on one GPU need one per rank and

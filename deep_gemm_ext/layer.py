@@ -96,31 +96,49 @@ def _combine(plan: Plan, a, w, layout: str, meta: RoutingMeta, weights, out_dtyp
     return elementwise.combine_rows(o, meta.slot_to_row, weights, meta.top_k, out_dtype, plan.kernels)
 
 
+def _rows_arrived(pending) -> None:
+    """The overlapped dispatch's rows are all written before the stream goes on (x_r is saved for
+    the backward's dW1, and the next exchange piece reuses the regions)."""
+    if pending is not None:
+        torch.cuda.current_stream(pending.wait.arrivals.device).wait_event(pending.done)
+
+
 def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
     """Returns ``(y, saved)``; ``saved`` is the tensor list :func:`backward` takes."""
     gemms, precision, cdt = plan.gemms, plan.precision, plan.dtype
-    x_r, idx_r, w_r, handle = plan.tokens.dispatch(x, topk_idx, topk_weights)
+    pending = None
+    if plan.ep_overlap:
+        # x_r's rows arrive while routing and the L1 GEMM run (the GEMM waits for each tile's
+        # source ranks); everything else that reads x_r waits for the pull's event first.
+        x_r, idx_r, w_r, handle, pending = plan.tokens.dispatch_overlapped(x, topk_idx, topk_weights)
+    else:
+        x_r, idx_r, w_r, handle = plan.tokens.dispatch(x, topk_idx, topk_weights)
     num_experts = l1_weights.shape[0]
     top_k = idx_r.shape[1]
     meta = elementwise.routing(idx_r, num_experts, plan.align, plan.routing_kernels)
     if x_r.shape[0] == 0:
+        _rows_arrived(pending)
         x_rows = x_r if plan.gather_x else x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt)
         h = x_r.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
         y = plan.tokens.combine(x_r.new_zeros(x_r.shape), handle)
         return y, [x_rows, w_r, l1_weights, l2_weights, h, *meta.tensors(), *handle]
     if plan.gather_x:
-        a, gather = x_r.contiguous(), Gather(meta.row_to_slot, top_k, plan.gather_x)
+        a = x_r.contiguous()
+        gather = Gather(meta.row_to_slot, top_k, plan.gather_x, None if pending is None else pending.wait)
         x_rows = x_r
     else:
+        _rows_arrived(pending)
         a = gather = None
         x_rows = a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels)
     l1 = precision.expert_weights(l1_weights, cdt)
     if plan.swiglu_epilogues:
         h, act = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather,
                                  epilogue=SwigluForward(activation_clamp))
+        _rows_arrived(pending)
     else:
         # h is an output of the op: rows no expert owns are zero rather than stale memory.
         h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
+        _rows_arrived(pending)
         act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
     y_r = _combine(plan, act, precision.expert_weights(l2_weights, cdt), "nt", meta, w_r, x.dtype)
     y = plan.tokens.combine(y_r, handle)

@@ -79,6 +79,9 @@ class Plan:
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
     gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
+    ep_overlap        the symmetric exchange's dispatch pulls x's rows on a side stream while the L1 GEMM
+                      runs, waiting tile by tile for its rows' source ranks (DGE_EP_OVERLAP; bf16 rows and x,
+                      the sm90 provider with the cp.async gather; same bits as without)
     """
 
     provider: str
@@ -96,6 +99,7 @@ class Plan:
     fp8_wgrad: str = "fp8"
     fp8_dh: bool = False
     gemm_schedule: str = "cooperative"
+    ep_overlap: bool = False
 
     # -- the parts ------------------------------------------------------------------------------
 
@@ -148,7 +152,8 @@ class Plan:
         fusions = [name for name, on in (("L1 gathers x", self.gather_x), ("backward gathers", self.gather_backward),
                                          ("combine epilogues", self.combine_epilogue),
                                          ("SwiGLU epilogues", self.swiglu_epilogues),
-                                         ("dh quantized in the SwiGLU backward", self.fp8_dh)) if on]
+                                         ("dh quantized in the SwiGLU backward", self.fp8_dh),
+                                         ("dispatch overlapped with the L1 GEMM", self.ep_overlap)) if on]
         if fusions:
             parts.append(", ".join(fusions))
         if self.exchange != "local":
@@ -302,8 +307,18 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         fp8_wgrad=wgrad,
         fp8_dh=(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues),
         gemm_schedule=_env.gemm_schedule(),
+        ep_overlap=ep_overlap_applies(_env.ep_overlap(), exchange, provider, recipe, dtype, gather_x),
     )
     return plan.encode()
+
+
+def ep_overlap_applies(requested: bool, exchange: str, provider: str, recipe: str, dtype: torch.dtype,
+                       gather_x: str) -> bool:
+    """Whether DGE_EP_OVERLAP (``requested``) takes effect: the symmetric exchange with bf16 rows,
+    bf16 x, the sm90 provider under the bf16 recipe and the cp.async gather of the L1 GEMM (whose
+    waiting twin follows the arriving rows). Elsewhere the layer runs as without it."""
+    return (requested and exchange.startswith("symmetric:") and exchange.endswith(":x") and provider == "sm90"
+            and recipe == "bf16" and dtype == torch.bfloat16 and gather_x == "cp_async")
 
 
 # ---------------------------------------------------------------------------------------------

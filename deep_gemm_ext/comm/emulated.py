@@ -105,10 +105,12 @@ def run_emulated_ranks(fn, world_size: int) -> list:
     device before returning."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive int")
-    if 2 * world_size > _env.cuda_device_max_connections():
+    # DGE_EP_OVERLAP adds a side stream per rank (the overlapped dispatch's row pull).
+    queues = (3 if _env.ep_overlap() else 2) * world_size
+    if queues > _env.cuda_device_max_connections():
         warnings.warn(f"run_emulated_ranks({world_size}): CUDA_DEVICE_MAX_CONNECTIONS="
                       f"{_env.cuda_device_max_connections()} hardware queues for {world_size} ranks' streams; set it "
-                      f"to at least {2 * world_size} before CUDA starts, or a waiting rank may hold back another's "
+                      f"to at least {queues} before CUDA starts, or a waiting rank may hold back another's "
                       f"kernels", RuntimeWarning, stacklevel=2)
     torch.cuda.init()
     loading = module_loading_mode()

@@ -22,10 +22,23 @@ assertion).
 
 Ranks emulated on one GPU (:mod:`.emulated`) use the same buffers and kernels over W regions of
 one allocation.
+
+Dispatch overlapped with the L1 GEMM (``DGE_EP_OVERLAP=1``, :meth:`SymmetricExchange.dispatch_overlapped`):
+the pull is split in two. ``pull_meta`` (ids, weights, received mask) runs on the caller's stream;
+``pull_rows_arrive`` (x's rows) runs on the buffer's side stream, source blocks in the order me,
+me + 1, ..., and stores the piece's epoch into ``arrivals[s]`` (a local tensor of the buffer) once
+source s's block is written. The L1 GEMM, launched right after on the caller's stream, waits per
+tile for the sources of its rows (jit_kernels' AwaitRows). SM reservation: the GEMM is persistent
+and one CTA takes a whole SM (its registers), so its grid is capped to leave the pull its SMs
+(:meth:`SymmetricEpBuffer.overlap_gemm_ctas`); a GEMM holding every SM while it waits for a pull
+that cannot start would never finish.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
+import sys
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -83,6 +96,46 @@ def symmetric_ep_memory_bytes(world_size: int, max_tokens_per_rank: int, hidden:
 _IDS = itertools.count()
 #: Live buffers by id: plans name their buffer by id (a plan is a string).
 _BUFFERS: "weakref.WeakValueDictionary[int, SymmetricEpBuffer]" = weakref.WeakValueDictionary()
+
+
+_REPORT_LOCK = threading.Lock()
+_REPORT: list = []
+
+
+def overlap_report_tensor() -> torch.Tensor:
+    """The process's pinned int64 [5] record of an L1 GEMM's wait that timed out (set flag, rank,
+    source, awaited epoch, seen): the GEMM cannot printf (a call serializes its wgmmas), so it
+    writes there before it traps; the host reads it after the CUDA error (and at exit)."""
+    with _REPORT_LOCK:
+        if not _REPORT:
+            _REPORT.append(torch.zeros(5, dtype=torch.int64, pin_memory=True))
+            atexit.register(_print_overlap_report)
+        return _REPORT[0]
+
+
+def overlap_timeout_report() -> str | None:
+    """What an overlapped L1 GEMM's timed-out wait left in :func:`overlap_report_tensor`, or None."""
+    if not _REPORT:
+        return None
+    flag, rank, source, epoch, seen = (int(v) for v in _REPORT[0].tolist())
+    if not flag:
+        return None
+    return (f"deep_gemm_ext expert-parallel overlap: rank {rank}'s L1 GEMM timed out waiting for the rows of "
+            f"source rank {source}: awaited epoch {epoch}, arrivals[{source}] = {seen} (DGE_EP_TIMEOUT_S)")
+
+
+def _print_overlap_report() -> None:
+    message = overlap_timeout_report()
+    if message is not None:
+        print(message, file=sys.stderr, flush=True)
+
+
+class PendingRows(NamedTuple):
+    """x_r of :meth:`SymmetricExchange.dispatch_overlapped` is still being written: ``wait`` is what
+    the waiting L1 GEMM takes (jit_kernels.AwaitRows); ``done`` is recorded on the side stream
+    after the pull: any other reader of x_r waits on it first (``torch.cuda.current_stream().wait_event``)."""
+    wait: object
+    done: torch.cuda.Event
 
 
 def _check_sizes(max_tokens_per_rank, hidden, top_k, dtype) -> None:
@@ -185,6 +238,8 @@ class SymmetricEpBuffer:
         self.blocks = blocks
         self._storage = storage  # every region (emulated) or this rank's (symmetric memory)
         self.peers = peers
+        self._overlap = None
+        self._side_stream = None
         self.agreed: set = set()
         self.agree_round = 0
         self.id = next(_IDS)
@@ -213,6 +268,61 @@ class SymmetricEpBuffer:
     def memory_bytes(self, fp8_rows: bool = False) -> int:
         """Bytes of this rank's region (:func:`symmetric_ep_memory_bytes`); the same with fp8 rows."""
         return self.layout.size
+
+    def overlap_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The overlapped dispatch's local state, made at its first use (never in the symmetric
+        region): ``arrivals [W]`` int64, the epoch of the last dispatch whose block of source s is
+        written; the row pull's CTA counters ``[W]`` int32; and this rank's epoch (the u64 in its
+        region) as a one-element int64 view."""
+        if self._overlap is None:
+            device = self.peers.device
+            first = self.rank * self.layout.size if self.emulated else 0
+            epoch = first + self.layout.flags + 2 * self.world_size * 8
+            self._overlap = (torch.zeros(self.world_size, dtype=torch.int64, device=device),
+                             torch.zeros(self.world_size, dtype=torch.int32, device=device),
+                             self._storage[epoch:epoch + 8].view(torch.int64))
+        return self._overlap
+
+    def side_stream(self) -> torch.cuda.Stream:
+        """The stream of the overlapped dispatch's row pull (one per buffer: per rank)."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.peers.device)
+        return self._side_stream
+
+    def overlap_gemm_ctas(self) -> int:
+        """The persistent grid cap of the L1 GEMM that waits for the overlapped pull's rows.
+
+        A GEMM CTA takes a whole SM (384 threads of up to 168 registers: the register file), so
+        whatever SMs the GEMM holds no transport CTA can use. The GEMM waits only for this rank's
+        row pull, which waits for nothing that is not already there (pull_meta, before it in stream
+        order, saw every ready flag); so the pull finishes once it has any SM, and the GEMM after it.
+
+        Real ranks: ``num_SMs - blocks``: the pull, launched first, always has its SMs.
+
+        Emulated ranks share the GPU, and a transport kernel of one rank may wait for another
+        rank's launches. Per rank at most two transport grids run at once (one on the rank's
+        stream, the row pull on its side stream), ``blocks`` CTAs each, and one waiting GEMM; with
+        ``G <= (num_SMs - 2 W blocks) / W`` CTAs a GEMM, all W GEMMs and all 2 W transport grids fit
+        on the device together, each transport CTA on its own SM even. Then every kernel that can
+        wait is resident at once: every pull runs (it waits for nothing), every GEMM finishes after
+        its pull, and the transport kernels waiting for other ranks see those ranks' streams go on.
+        No wait cycle can hold all SMs. Raises where that leaves no CTA (create the emulated buffers
+        with fewer ``blocks``)."""
+        from .. import jit
+
+        sms = jit.num_sms(self.peers.device)
+        if self.emulated:
+            ctas = (sms - 2 * self.world_size * self.blocks) // self.world_size
+            if ctas < 1:
+                raise ValueError(f"DGE_EP_OVERLAP with {self.world_size} emulated ranks of blocks={self.blocks} on "
+                                 f"{sms} SMs: the waiting L1 GEMMs would get no SM beside 2 * W * blocks = "
+                                 f"{2 * self.world_size * self.blocks} transport CTAs; create the buffers with "
+                                 f"emulated_ep_buffers(..., blocks=b), b <= "
+                                 f"{(sms - self.world_size) // (2 * self.world_size)}")
+            return ctas
+        if sms - self.blocks < 1:
+            raise ValueError(f"DGE_EP_OVERLAP: blocks={self.blocks} transport CTAs leave no SM of {sms} to the L1 GEMM")
+        return sms - self.blocks
 
     def transport(self):
         from ..jit_kernels.ep_transport import Transport
@@ -319,6 +429,56 @@ class SymmetricExchange(BlockedExchange):
         """``(x_r [R, H], idx_r [R, K] int32, w_r [R, K], handle)``, as AllToAllExchange.dispatch."""
         from ..jit_kernels import ep_transport
 
+        x, transport, rows, row_bytes, sent, slot_rank = self._publish_dispatch(x, topk_idx, topk_weights)
+        hidden, top_k = x.shape[1], topk_idx.shape[1]
+        x_bytes, idx_r, w_r, received = ep_transport.pull_dispatch(transport, self.capacity, top_k,
+                                                                   self.num_local_experts, row_bytes,
+                                                                   topk_weights.dtype)
+        if self.fp8_rows:
+            x_r = received_rows_of(x_bytes[:, :fp8_row_bytes(hidden)], hidden, x.dtype, True)
+        else:
+            x_r = x_bytes.view(x.dtype)
+        return x_r, idx_r, w_r, [sent, slot_rank, received]
+
+    def dispatch_overlapped(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """``(x_r, idx_r, w_r, handle, pending)``: :meth:`dispatch` whose x_r rows are still arriving
+        when it returns (``pending``: :class:`PendingRows`). idx_r, w_r and the handle are complete
+        on the caller's stream; x_r is written by the side stream's row pull, which the L1 GEMM's
+        waiting loader follows (``pending.wait``), and every other reader waits on ``pending.done``.
+        The same values as :meth:`dispatch` (same kernels' copies, same layout). bf16 rows only."""
+        from ..jit_kernels import AwaitRows, ep_transport
+
+        if self.fp8_rows:
+            raise ValueError("dispatch_overlapped: the overlapped dispatch moves bf16 rows; this exchange sends "
+                             "fp8 rows")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"dispatch_overlapped: x has dtype {x.dtype}; the waiting L1 GEMM reads bf16 rows")
+        buffer = self.buffer
+        max_ctas = buffer.overlap_gemm_ctas()
+        arrivals, counters, epoch = buffer.overlap_state()
+        x, transport, rows, row_bytes, sent, slot_rank = self._publish_dispatch(x, topk_idx, topk_weights)
+        hidden, top_k = x.shape[1], topk_idx.shape[1]
+        idx_r, w_r, received = ep_transport.pull_meta(transport, self.capacity, top_k, self.num_local_experts,
+                                                      topk_weights.dtype)
+        x_r = torch.empty(self.num_rows, hidden, dtype=x.dtype, device=x.device)
+        main = torch.cuda.current_stream(x.device)
+        side = buffer.side_stream()
+        side.wait_stream(main)  # received and x_r are made on the caller's stream
+        with torch.cuda.stream(side):
+            ep_transport.pull_rows_arrive(transport, self.capacity, received, x_r, arrivals, counters)
+            done = torch.cuda.Event()
+            done.record(side)
+        # The allocator must not hand x_r's or received's memory out again before the pull is done.
+        x_r.record_stream(side)
+        received.record_stream(side)
+        wait = AwaitRows(arrivals, epoch, self.capacity, self.rank, transport.timeout_ns, max_ctas,
+                         overlap_report_tensor())
+        return x_r, idx_r, w_r, [sent, slot_rank, received], PendingRows(wait, done)
+
+    def _publish_dispatch(self, x, topk_idx, topk_weights):
+        """Checks, then this rank's dispatch published: ``(x, transport, rows, row_bytes, sent, slot_rank)``."""
+        from ..jit_kernels import ep_transport
+
         num_tokens, hidden = x.shape
         top_k = topk_idx.shape[1]
         world, cap, num_local = self.world_size, self.capacity, self.num_local_experts
@@ -350,13 +510,7 @@ class SymmetricExchange(BlockedExchange):
         # Ids out of int32's range are outside [-1, W * E_loc) anyway: clamped, they stay another rank's.
         ids32 = ids.clamp(-1, world * num_local).to(torch.int32).contiguous()
         ep_transport.publish(transport, rows, ids=ids32, weights=topk_weights.contiguous(), num_tokens=num_tokens)
-        x_bytes, idx_r, w_r, received = ep_transport.pull_dispatch(transport, cap, top_k, num_local, row_bytes,
-                                                                   topk_weights.dtype)
-        if self.fp8_rows:
-            x_r = received_rows_of(x_bytes[:, :fp8_row_bytes(hidden)], hidden, x.dtype, True)
-        else:
-            x_r = x_bytes.view(x.dtype)
-        return x_r, idx_r, w_r, [sent, slot_rank, received]
+        return x, transport, rows, row_bytes, sent, slot_rank
 
     def combine(self, y_r: torch.Tensor, handle: list[torch.Tensor]) -> torch.Tensor:
         """``y [T, H]``: each token's partial results from the ranks it went to, summed in rank order."""
@@ -394,5 +548,6 @@ class SymmetricExchange(BlockedExchange):
                                      weight_dtype=dw_r.dtype)
 
 
-__all__ = ["DEFAULT_BLOCKS", "RegionLayout", "SymmetricEpBuffer", "SymmetricExchange", "buffer_by_id",
-           "exchange_from_spec", "region_layout", "symmetric_ep_memory_bytes"]
+__all__ = ["DEFAULT_BLOCKS", "PendingRows", "RegionLayout", "SymmetricEpBuffer", "SymmetricExchange", "buffer_by_id",
+           "exchange_from_spec", "overlap_report_tensor", "overlap_timeout_report", "region_layout",
+           "symmetric_ep_memory_bytes"]

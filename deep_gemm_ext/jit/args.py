@@ -22,7 +22,7 @@ _POINTER_DTYPES = {
     # e4m3 data, written by the kernels as raw bytes (no cuda_fp8.h needed).
     "unsigned char*": torch.float8_e4m3fn,
     "__half*": torch.float16, "double*": torch.float64,
-    "const long long*": torch.int64,
+    "const long long*": torch.int64, "long long*": torch.int64,
     # Byte masks (a bool tensor viewed as uint8).
     "const unsigned char*": torch.uint8,
     # Raw bytes of any dtype (rows copied as 16-byte vectors, weights as their bits).

@@ -10,7 +10,7 @@ from .fp8_quant import (quantize_cols_fp8, quantize_cols_transposed_fp8, quantiz
                         swiglu_forward_fp8)
 from .gather_combine import combine_rows, combine_slots, gather_rows
 from .routing import routing_metadata
-from .sm90_bf16_grouped_gemm import (Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
+from .sm90_bf16_grouped_gemm import (AwaitRows, Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
                                      m_grouped_bf16_gemm_nn_contiguous,
                                      m_grouped_bf16_gemm_nn_swiglu_bwd, m_grouped_bf16_gemm_nt_contiguous,
                                      m_grouped_bf16_gemm_nt_swiglu, swiglu_epilogue_supported)
@@ -31,7 +31,7 @@ def available(device_index: int) -> bool:
     return True
 
 
-__all__ = ["Gather", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
+__all__ = ["AwaitRows", "Gather", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
            "k_grouped_bf16_gemm_tn_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nn_swiglu_bwd",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu",

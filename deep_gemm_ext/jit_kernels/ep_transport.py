@@ -43,6 +43,16 @@ _ROWS_ARGS = (*_COMMON, KernelArg("capacity", "int"), KernelArg("row_bytes", "un
               KernelArg("out", "void*"), *_TIMEOUT)
 
 
+# The dispatch split for the overlap with the L1 GEMM (DGE_EP_OVERLAP; see the header).
+_META_ARGS = (*_COMMON, KernelArg("capacity", "int"), KernelArg("top_k", "int"),
+              KernelArg("num_local_experts", "int"), KernelArg("idx_r", "int*"), KernelArg("w_r", "void*"),
+              KernelArg("received", "void*"), *_TIMEOUT)
+_ARRIVE_ARGS = (*_COMMON, KernelArg("capacity", "int"), KernelArg("row_bytes", "unsigned int"),
+                KernelArg("row_pitch", "unsigned int"), KernelArg("mask", "const unsigned char*"),
+                KernelArg("out", "void*"), KernelArg("arrivals", "long long*"),
+                KernelArg("counters", "int*"), *_TIMEOUT)
+
+
 def _sum_args(dtype: torch.dtype) -> tuple[KernelArg, ...]:
     return (*_COMMON, KernelArg("capacity", "int"), KernelArg("num_tokens", "int"), KernelArg("hidden", "int"),
             KernelArg("row_pitch", "unsigned int"), KernelArg("sent", "const unsigned char*"),
@@ -58,6 +68,8 @@ _PUBLISH = ("ep_transport_publish", _code("ep_publish_kernel", _PUBLISH_ARGS, f"
 _DISPATCH = {b: (f"ep_transport_pull_dispatch_w{8 * b}", _code("ep_pull_dispatch_kernel", _DISPATCH_ARGS, f"<{b}>"))
              for b in (4, 8)}
 _ROWS = ("ep_transport_pull_rows", _code("ep_pull_rows_kernel", _ROWS_ARGS, f"<{_THREADS}>"))
+_META = {b: (f"ep_transport_pull_meta_w{8 * b}", _code("ep_pull_meta_kernel", _META_ARGS, f"<{b}>")) for b in (4, 8)}
+_ARRIVE = ("ep_transport_pull_rows_arrive", _code("ep_pull_rows_arrive_kernel", _ARRIVE_ARGS, f"<{_THREADS}>"))
 _SUM_ARGS = {dtype: _sum_args(dtype) for dtype in SUM_DTYPES}
 _SUM = {(dtype, b): (f"ep_transport_pull_sum_{str(dtype)[6:]}_w{8 * b}",
                      _code("ep_pull_sum_kernel", _sum_args(dtype), f"<{SUM_DTYPES[dtype]}, {b}>"))
@@ -66,7 +78,8 @@ _SUM = {(dtype, b): (f"ep_transport_pull_sum_{str(dtype)[6:]}_w{8 * b}",
 
 @jit.register("ep_transport")
 def configs():
-    return [(name, code, False) for name, code in [_PUBLISH, *_DISPATCH.values(), _ROWS, *_SUM.values()]]
+    return [(name, code, False) for name, code in [_PUBLISH, *_DISPATCH.values(), _ROWS, *_SUM.values(), *_META.values(),
+                                                     _ARRIVE]]
 
 
 class Transport(NamedTuple):
@@ -194,3 +207,40 @@ def pull_sum(transport: Transport, capacity: int, sent: torch.Tensor, hidden: in
                      num_tokens=num_tokens, hidden=hidden, row_pitch=transport.row_pitch,
                      sent=sent.contiguous().view(torch.uint8), out=out, owner=owner, top_k=top_k, d_topk=d_topk)
     return out, d_topk
+
+
+
+def pull_meta(transport: Transport, capacity: int, top_k: int, num_local_experts: int, weight_dtype: torch.dtype):
+    """``(idx_r [R, K] int32, w_r [R, K] weight_dtype, received [R] bool)``: pull_dispatch's
+    metadata, without the rows; raises no flag (:func:`pull_rows_arrive` does, for both)."""
+    device = transport.peers.device
+    rows = transport.world * capacity
+    idx_r = torch.empty(rows, top_k, dtype=torch.int32, device=device)
+    w_r = torch.empty(rows, top_k, dtype=weight_dtype, device=device)
+    received = torch.empty(rows, dtype=torch.bool, device=device)
+    transport.launch(_META[WEIGHT_BYTES[weight_dtype]], _META_ARGS, capacity=capacity, top_k=top_k,
+                     num_local_experts=num_local_experts, idx_r=idx_r, w_r=w_r, received=received)
+    return idx_r, w_r, received
+
+
+def pull_rows_arrive(transport: Transport, capacity: int, received: torch.Tensor, out: torch.Tensor,
+                     arrivals: torch.Tensor, counters: torch.Tensor) -> None:
+    """Rows ``out [R, row_bytes]`` (any dtype, contiguous) as :func:`pull_rows` with mask
+    ``received``, source blocks in the order me, me + 1, ...; ``arrivals [W]`` int64 gets the
+    epoch of each source block once it is written (``counters [W]`` int32, zero, scratch). Must
+    run after :func:`pull_meta` of the same piece has completed (stream order or an event)."""
+    world = transport.world
+    device = transport.peers.device
+    for label, t, dtype in (("arrivals", arrivals, torch.int64), ("counters", counters, torch.int32)):
+        if t.device != device or t.dtype != dtype or tuple(t.shape) != (world,) or not t.is_contiguous():
+            raise ValueError(f"{label}: {t.dtype} {tuple(t.shape)} on {t.device}; expected contiguous {dtype} "
+                             f"({world},) on {device}")
+    _check_rows("out", out, device)
+    if out.shape[0] != world * capacity or tuple(received.shape) != (world * capacity,):
+        raise ValueError(f"out {tuple(out.shape)} / received {tuple(received.shape)}: expected "
+                         f"{world * capacity} rows (W * capacity)")
+    row_bytes = out.shape[1] * out.element_size()
+    if row_bytes > transport.row_pitch:
+        raise ValueError(f"out: {row_bytes} bytes a row exceed the region's row pitch {transport.row_pitch}")
+    transport.launch(_ARRIVE, _ARRIVE_ARGS, capacity=capacity, row_bytes=row_bytes, row_pitch=transport.row_pitch,
+                     mask=received.contiguous().view(torch.uint8), out=out, arrivals=arrivals, counters=counters)

@@ -117,6 +117,15 @@ _STAGED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Buffers<{buffers}>",
 _LOADERS = {None: "dge::gemm::LoaderTma", "tma": "dge::gemm::LoaderGatherTmaRows",
             "cp_async": "dge::gemm::LoaderGatherCpAsyncA"}
 GATHER_MODES = ("tma", "cp_async")
+#: The cp.async gather that waits for rows still arriving from the expert-parallel dispatch
+#: (GemmConfig.await_rows; DGE_EP_OVERLAP), and the kernel arguments it reads after the core's.
+_AWAIT_LOADER = "dge::gemm::LoaderGatherCpAsyncAwait"
+AWAIT_ARGS = (KernelArg("await_arrivals", "const long long*"), KernelArg("await_epoch", "const long long*"),
+              KernelArg("await_capacity", "uint32_t"), KernelArg("await_timeout_ns", "unsigned long long"),
+              KernelArg("await_rank", "int"), KernelArg("await_report", "unsigned long long"),
+              KernelArg("await_m_order", "const int*"))
+#: What the waiting loader takes: the L1 forward's layout and gather, bf16, no clusters.
+_AWAIT_RULES = dict(layout="nt", gather_a="cp_async", gather_b=False, dtype="bf16", cluster_n=1)
 
 
 class Mainloop(NamedTuple):
@@ -180,6 +189,10 @@ class GemmConfig:
     # Staging buffers of the store / combine epilogues per consumer warpgroup (EPILOGUE_BUFFERS): 4
     # stages a whole 64 x 256 slice (256-wide cooperative bf16 tiles, 3 smem stages), 2 is the default.
     epilogue_buffers: int = 2
+    # The cp.async gather of A waits, tile by tile, for the source ranks of its rows to have
+    # arrived (LoaderGatherCpAsyncAwait: the L1 forward overlapped with the expert-parallel
+    # dispatch, DGE_EP_OVERLAP); its kernel arguments are AWAIT_ARGS.
+    await_rows: bool = False
 
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
@@ -236,6 +249,12 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} and an "
                                  f"epilogue of {STAGED_EPILOGUES} (a 128-wide slice fits the 2 default buffers), "
                                  f"got {wrong}")
+        if not isinstance(self.await_rows, bool):
+            raise ValueError(f"GemmConfig: await_rows={self.await_rows!r}, expected a bool")
+        if self.await_rows:
+            wrong = {k: getattr(self, k) for k, v in _AWAIT_RULES.items() if getattr(self, k) != v}
+            if wrong:
+                raise ValueError(f"GemmConfig: await_rows=True takes {_AWAIT_RULES}, got {wrong}")
 
     @property
     def stages(self) -> int:
@@ -260,12 +279,19 @@ class GemmConfig:
             name += f"_c{self.cluster_n}"
         if self.epilogue_buffers != 2:
             name += f"_e{self.epilogue_buffers}"
+        if self.await_rows:
+            name += "_await"
         return name
 
     @property
     def args(self) -> tuple[KernelArg, ...]:
-        """The kernel's arguments: the core's, the mainloop's, then the epilogue's."""
-        return CORE_ARGS + MAINLOOPS[self.dtype].args + _EPILOGUES[self.epilogue].args
+        """The kernel's arguments: the core's, the loader's (AWAIT_ARGS with await_rows), the
+        mainloop's, then the epilogue's."""
+        return CORE_ARGS + self.loader_args + MAINLOOPS[self.dtype].args + _EPILOGUES[self.epilogue].args
+
+    @property
+    def loader_args(self) -> tuple[KernelArg, ...]:
+        return AWAIT_ARGS if self.await_rows else ()
 
     def code(self) -> str:
         gemm_type, major_a, major_b = _TYPES[self.layout]
@@ -273,7 +299,8 @@ class GemmConfig:
         epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
         if self.epilogue_buffers != 2:
             epilogue_cpp = _STAGED_CPP[self.epilogue].format(buffers=self.epilogue_buffers)
-        loader = "dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _LOADERS[self.gather_a]
+        loader = ("dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _AWAIT_LOADER if self.await_rows
+                  else _LOADERS[self.gather_a])
         mainloop = MAINLOOPS[self.dtype]
         mainloop_cpp = FP8_MAINLOOPS[self.fp8_mainloop] if self.dtype == "fp8" else mainloop.cpp
         if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
@@ -292,7 +319,7 @@ class GemmConfig:
                 "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_grouped_gemm_kernel<\n"
                 f"    Traits, {loader}, {mainloop_cpp}, Epilogue, "
-                f"{jit.render_types(mainloop.args + epilogue.args)}>);\n")
+                f"{jit.render_types(self.loader_args + mainloop.args + epilogue.args)}>);\n")
 
     def kernel(self) -> jit.Kernel:
         return jit.build(self.name, self.code())
@@ -365,6 +392,11 @@ def _all_configs() -> list[GemmConfig]:
                                       gather_a=gather_a))
         configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp, gather_a=gather_a)
                     for block_n in (256, 128) for gather_a in (None, "cp_async")]
+    # The L1 forward overlapped with the expert-parallel dispatch (DGE_EP_OVERLAP): the waiting
+    # cp.async gather, with the plain store and the SwiGLU epilogue.
+    configs += [GemmConfig("nt", block_n, gather_a="cp_async", await_rows=True) for block_n in (256, 128)]
+    configs += [GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp, gather_a="cp_async",
+                           await_rows=True) for clamp in (False, True)]
     # The ping-pong twin of each (DGE_GEMM_SCHEDULE=pingpong): 128-wide tiles, paired ones included.
     pingpong = {dataclasses.replace(c, block_n=128, schedule="pingpong"): None
                 for c in configs if c.block_n == 128 or c.paired_n}
@@ -468,15 +500,36 @@ def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str 
 # -- launch -----------------------------------------------------------------------------------------------
 
 
+class AwaitRows(NamedTuple):
+    """Rows of the gathered x that are still arriving (the expert-parallel dispatch overlapped with
+    the L1 forward, DGE_EP_OVERLAP): x is x_r [W * capacity, K], row j from source rank
+    j // capacity, whose block is complete once ``arrivals[s] >= epoch`` (both int64 on x's device:
+    ``arrivals [W]``, ``epoch [1]`` a view of this rank's epoch in its exchange region, read on the
+    device). The GEMM's loader waits for that per tile (LoaderGatherCpAsyncAwait), at most
+    ``timeout_ns``; then it writes (1, rank, source, awaited epoch, seen) into ``report`` (int64
+    [5], pinned host memory, readable after the trap) and traps. ``max_ctas`` caps the persistent
+    grid, so that the kernel writing the rows always has SMs (comm.symmetric)."""
+    arrivals: torch.Tensor
+    epoch: torch.Tensor
+    capacity: int
+    rank: int
+    timeout_ns: int
+    max_ctas: int
+    report: torch.Tensor
+
+
 class Gather(NamedTuple):
     """The gathering prologue of an M-grouped GEMM: ``a`` is the token matrix x [T, K] and pool row
     r reads ``x[row_to_slot[r] // top_k]``, a zero row where ``row_to_slot[r] < 0`` (padding).
     ``row_to_slot`` [P] int32 is the routing's map (deep_gemm_ext.routing.RoutingMeta.row_to_slot);
     P is the pool's row count; a slot past the tokens also reads a zero row. ``mode``: "cp_async"
-    (the producer warpgroup copies rows with 16-byte cp.async) or "tma" (1-row TMA boxes)."""
+    (the producer warpgroup copies rows with 16-byte cp.async) or "tma" (1-row TMA boxes).
+    ``await_rows`` (:class:`AwaitRows`, "cp_async" only, the "nt" M-grouped GEMMs): x's rows are
+    still arriving and the loader waits for them."""
     row_to_slot: torch.Tensor
     top_k: int
     mode: str = "cp_async"
+    await_rows: AwaitRows | None = None
 
 
 class Scatter(NamedTuple):
@@ -525,6 +578,73 @@ def _check_gather(gather: Gather | None) -> None:
         raise ValueError(f"gather.top_k={gather.top_k!r}: expected a positive int")
     if gather.mode not in GATHER_MODES:
         raise ValueError(f"gather.mode={gather.mode!r}: expected one of {GATHER_MODES}")
+    if len(gather) > 3 and gather.await_rows is not None:
+        _check_await(gather)
+
+
+def _check_await(gather: Gather) -> None:
+    w = gather.await_rows
+    if not isinstance(w, AwaitRows):
+        raise TypeError(f"gather.await_rows: expected jit_kernels.AwaitRows, got {type(w).__name__}")
+    if gather.mode != "cp_async":
+        raise ValueError(f"gather.mode={gather.mode!r} with await_rows: the waiting loader is the cp.async gather "
+                         f"(expected mode 'cp_async')")
+    for label, t in (("arrivals", w.arrivals), ("epoch", w.epoch)):
+        _check_tensor(f"gather.await_rows.{label}", t, 1, torch.int64)
+    if w.epoch.shape[0] != 1:
+        raise ValueError(f"gather.await_rows.epoch: shape {tuple(w.epoch.shape)}, expected (1,)")
+    for label, value, low in (("capacity", w.capacity, 1), ("rank", w.rank, 0), ("timeout_ns", w.timeout_ns, 1),
+                              ("max_ctas", w.max_ctas, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"gather.await_rows.{label}={value!r}: expected an int >= {low}")
+    r = w.report
+    if not isinstance(r, torch.Tensor) or r.dtype != torch.int64 or tuple(r.shape) != (5,) or not r.is_pinned():
+        raise ValueError(f"gather.await_rows.report: expected a pinned int64 CPU tensor of shape (5,), got "
+                         f"{r.dtype if isinstance(r, torch.Tensor) else type(r).__name__}")
+    if w.rank >= w.arrivals.shape[0]:
+        raise ValueError(f"gather.await_rows.rank={w.rank}: expected < W={w.arrivals.shape[0]} (arrivals' length)")
+
+
+def arrival_block_order(row_to_slot: torch.Tensor, top_k: int, wait: AwaitRows, ends: torch.Tensor) -> torch.Tensor:
+    """The pool's 128-row M blocks in the order their rows arrive (int32 [ceil(P / 128)], torch ops,
+    no sync): a block's key is the latest arrival among the sources of its rows, source s arriving
+    (s - rank) mod W-th (the row pull walks me, me + 1, ...); blocks with no row key 0, blocks past
+    the last expert's end W, after all used ones. A stable sort keeps pool order (expert by expert)
+    among the blocks of one key. The waiting GEMM's scheduler walks its tiles in this order."""
+    world = wait.arrivals.shape[0]
+    rows = row_to_slot.shape[0]
+    num_blocks = -(-rows // _BLOCK_M)
+    slots = torch.nn.functional.pad(row_to_slot.long(), (0, num_blocks * _BLOCK_M - rows), value=-1)
+    slots = slots.view(num_blocks, _BLOCK_M)
+    source = torch.div(slots, top_k * wait.capacity, rounding_mode="floor")
+    key = torch.where(slots >= 0, torch.remainder(source - wait.rank, world), 0).amax(1)
+    used = torch.div(ends[-1:].long() + _BLOCK_M - 1, _BLOCK_M, rounding_mode="floor")
+    key = torch.where(torch.arange(num_blocks, device=key.device) < used, key, world)
+    return torch.sort(key, stable=True).indices.to(torch.int32)
+
+
+def _await_of(gather: Gather | None) -> AwaitRows | None:
+    return gather.await_rows if gather is not None and len(gather) > 3 else None
+
+
+def _check_await_source(gather: Gather | None, x: torch.Tensor, layout: str = "nt") -> None:
+    """The waiting loader reads x_r [W * capacity, K] in place, on the arrivals' device."""
+    w = _await_of(gather)
+    if w is None:
+        return
+    if layout != "nt":
+        raise ValueError(f"gather.await_rows with layout {layout!r}: only the L1 forward ('nt') waits for rows")
+    world = w.arrivals.shape[0]
+    if x.shape[0] != world * w.capacity:
+        raise ValueError(f"x: shape {tuple(x.shape)} with gather.await_rows: expected W * capacity = {world} * "
+                         f"{w.capacity} = {world * w.capacity} rows (the dispatched x_r)")
+    for label, t in (("arrivals", w.arrivals), ("epoch", w.epoch)):
+        if t.device != x.device:
+            raise ValueError(f"gather.await_rows.{label}: on {t.device}, expected {x.device} like x")
+    if x.data_ptr() % 16 or x.shape[1] % 8 or not x.is_contiguous():
+        raise ValueError(f"x: data_ptr() % 16 = {x.data_ptr() % 16}, {x.shape[1]} columns, strides {x.stride()}: "
+                         f"the waiting gather reads the arriving rows in place (no copy can be made), expected a "
+                         f"contiguous 16-byte aligned tensor with a multiple of 8 columns")
 
 
 def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
@@ -547,8 +667,11 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
              else jit.make_tma_2d(a, 64, STAGE_ROW_BYTES // a.element_size()))
     smem = config.smem_bytes()
     cluster = None
+    wait = _await_of(gather)
     if config.cluster_n == 1:
-        grid = (max(1, min(jit.num_sms(a.device), max_tiles)), 1, 1)
+        # Waiting for rows (await_rows): the grid leaves SMs to the kernel that writes them.
+        cap = jit.num_sms(a.device) if wait is None else min(jit.num_sms(a.device), wait.max_ctas)
+        grid = (max(1, min(cap, max_tiles)), 1, 1)
     else:
         # Whole clusters only, no more than the device holds at once (a persistent grid past that
         # would run its last clusters after the first ones), and no more than the tiles need.
@@ -565,6 +688,12 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
                            gather_x_rows=src.shape[0])
     else:  # placeholders: LoaderTma reads none of them
         gather_args = dict(gather_row_to_slot=starts, gather_top_k=1, gather_x=None, gather_x_rows=0)
+    if config.await_rows:
+        if wait is None:
+            raise ValueError(f"{config.name}: the waiting loader needs gather.await_rows")
+        gather_args.update(await_arrivals=wait.arrivals, await_epoch=wait.epoch, await_capacity=wait.capacity,
+                           await_timeout_ns=wait.timeout_ns, await_rank=wait.rank, await_report=wait.report.data_ptr(),
+                           await_m_order=arrival_block_order(gather.row_to_slot, gather.top_k, wait, ends))
     if _env.print_configs():
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
               f"stages={config.stages} grid={grid[0]} cluster={config.cluster_n} tiles<={max_tiles} smem={smem}",
@@ -637,11 +766,13 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         return out
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
+    _check_await_source(gather, a, layout)
     a = _gather_operand("a", a, gather)
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
     config = GemmConfig(layout, block_n, paired_n, epilogue=epilogue,
                         gather_a=gather.mode if gather is not None else None, schedule=schedule, cluster_n=cluster_n,
-                        epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
+                        epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule),
+                        await_rows=_await_of(gather) is not None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
@@ -708,6 +839,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
         raise ValueError("gather_a and gather_b: expected at most one gathered operand")
     gather = gather_a if gather_a is not None else gather_b
     _check_gather(gather)
+    if _await_of(gather) is not None:
+        raise ValueError("gather.await_rows: only the L1 forward (an 'nt' M-grouped GEMM) waits for arriving rows")
     _check_cluster(cluster_n, gather=gather, schedule=schedule)
     num_experts = _check_inputs(a, b, 2, starts, ends)
     if gather_a is not None:
@@ -790,10 +923,12 @@ def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts
         return h, act
     if hidden == 0:
         raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
+    _check_await_source(gather, x_pool)
     x_pool = _gather_operand("x_pool", x_pool, gather)
     config = GemmConfig("nt", select_tile(two_inter, schedule=schedule, divides=True).block_n, paired_n=True,
                         epilogue="swiglu_fwd", clamp=clamp is not None,
-                        gather_a=gather.mode if gather is not None else None, schedule=schedule)
+                        gather_a=gather.mode if gather is not None else None, schedule=schedule,
+                        await_rows=_await_of(gather) is not None)
     with jit.device_guard(x_pool):
         b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
         epi_args = dict(tma_h=jit.make_tma_2d(h, 64, 64), tma_act=jit.make_tma_2d(act, 64, 64), clamp=c)
@@ -824,6 +959,8 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h
     """
     _check_schedule(schedule)
     _check_gather(gather)
+    if _await_of(gather) is not None:
+        raise ValueError("gather.await_rows: only the L1 forward (an 'nt' M-grouped GEMM) waits for arriving rows")
     num_experts = _check_inputs(dy_pool, l2, 3, starts, ends, names=("dy_pool", "l2"),
                                 extra=(("h", h, 2, torch.bfloat16), ("row_weight", row_weight, 1, torch.float32)))
     c = _check_clamp(clamp)

@@ -28,10 +28,13 @@ from ..routing import RoutingMeta
 
 class Gather(NamedTuple):
     """Pool row r of the operand is row ``row_to_slot[r] // top_k`` of a token matrix; ``mode`` names
-    the loader ("cp_async" or "tma")."""
+    the loader ("cp_async" or "tma"). ``await_rows`` (the sm90 provider's L1 forward only): the token
+    matrix's rows are still arriving from the overlapped dispatch, and the GEMM waits for them
+    (jit_kernels.AwaitRows)."""
     row_to_slot: torch.Tensor
     top_k: int
     mode: str = "cp_async"
+    await_rows: object = None
 
 
 class Fp8Rows(NamedTuple):

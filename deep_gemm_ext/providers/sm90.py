@@ -35,6 +35,8 @@ def _gather(g: Gather | None, src):
     (16-byte chunks need a 16-byte aligned base; a fresh copy is aligned)."""
     if g is None:
         return None, src
+    if g.await_rows is not None:  # rows still arriving: read in place (the launcher checks alignment)
+        return _kernels.Gather(g.row_to_slot, g.top_k, g.mode, g.await_rows), src
     if g.mode == "cp_async" and src.data_ptr() % 16:
         src = src.clone()
     return _kernels.Gather(g.row_to_slot, g.top_k, g.mode), src

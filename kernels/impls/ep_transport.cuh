@@ -314,6 +314,114 @@ ep_pull_rows_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, i
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dispatch split in two for the overlap of the L1 GEMM with the pull of x's rows (DGE_EP_OVERLAP):
+//   ep_pull_meta_kernel         ids, weights and the received mask (ep_pull_dispatch_kernel's
+//                               metadata, the same values); reads no rows and raises no flag.
+//   ep_pull_rows_arrive_kernel  the rows, as ep_pull_rows_kernel with mask = received, walking the
+//                               sources in the order me, me + 1, ... (mod W); once every CTA has
+//                               written its share of source s's block (a per-source CTA counter,
+//                               each CTA fenced before its increment), the last one stores the
+//                               epoch into arrivals[s] (release, gpu scope): the L1 GEMM's loader
+//                               (loader/sm90_gemm_loaders.cuh, LoaderGatherCpAsyncAwait) waits on
+//                               it. It raises the consumed flags at its end, for both launches
+//                               (it is launched after ep_pull_meta_kernel has completed).
+// arrivals [W] (u64 epochs in int64 storage) and counters [W] int32 are local memory of the rank
+// (not the symmetric region); the counters are zero between launches (the last CTA of a source
+// resets its counter).
+
+__device__ __forceinline__ void ep_store_release_gpu(u64* ptr, u64 value) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+template <int kWeightBytes>
+__global__ void __launch_bounds__(kEpThreads)
+ep_pull_meta_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int world, int rank, int capacity,
+                    int top_k, int num_local_experts, int* __restrict__ idx_r, void* __restrict__ w_r,
+                    void* __restrict__ received, unsigned long long timeout_ns) {
+    using Weight = typename EpWord<kWeightBytes>::type;
+    grid_dependency_wait();
+    const EpLayout layout = DGE_EP_LAYOUT;
+    const long long mine = peers[rank];
+    const u64 epoch = *ep_epoch(mine, layout, world);
+    ep_cta_wait_all(ep_ready(mine, layout), world, epoch, timeout_ns, rank, 1);
+
+    const int lane = lane_id();
+    const int first = rank * num_local_experts;
+    const i64 num_rows = static_cast<i64>(world) * capacity;
+    const i64 num_warps = static_cast<i64>(gridDim.x) * kEpWarps;
+    for (i64 row = static_cast<i64>(blockIdx.x) * kEpWarps + warp_id(); row < num_rows; row += num_warps) {
+        const int src = static_cast<int>(row / capacity);
+        const int token = static_cast<int>(row % capacity);
+        const long long base = peers[src];
+        const bool present = token < *ep_at<volatile int>(base, layout.count);
+        bool any_mine = false;
+        for (int k0 = 0; k0 < top_k; k0 += kWarpSize) {
+            const int k = k0 + lane;
+            int local = -1;
+            Weight weight = 0;
+            if (present && k < top_k) {
+                const i64 slot = static_cast<i64>(token) * top_k + k;
+                const int id = ep_at<volatile int>(base, layout.ids)[slot];
+                if (id >= first && id < first + num_local_experts) {
+                    local = id - first;
+                    weight = ep_at<volatile Weight>(base, layout.weights)[slot];
+                }
+            }
+            if (k < top_k) {
+                idx_r[row * top_k + k] = local;
+                static_cast<Weight*>(w_r)[row * top_k + k] = weight;
+            }
+            any_mine |= __any_sync(kFullMask, local >= 0);
+        }
+        if (lane == 0)
+            static_cast<unsigned char*>(received)[row] = any_mine ? 1 : 0;
+    }
+}
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+ep_pull_rows_arrive_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int world, int rank,
+                           int capacity, u32 row_bytes, u32 row_pitch, const unsigned char* __restrict__ mask,
+                           void* __restrict__ out, long long* __restrict__ arrivals,
+                           int* __restrict__ counters, unsigned long long timeout_ns) {
+    grid_dependency_wait();
+    const EpLayout layout = DGE_EP_LAYOUT;
+    const long long mine = peers[rank];
+    const u64 epoch = *ep_epoch(mine, layout, world);
+    ep_cta_wait_all(ep_ready(mine, layout), world, epoch, timeout_ns, rank, 1);
+
+    constexpr int kWarps = kThreads / kWarpSize;
+    const int vecs = static_cast<int>(row_bytes / 16);
+    const i64 num_warps = static_cast<i64>(gridDim.x) * kWarps;
+    for (int i = 0; i < world; ++i) {
+        const int src = (rank + i) % world;  // this rank's own block first: its rows are local
+        for (i64 token = static_cast<i64>(blockIdx.x) * kWarps + warp_id(); token < capacity; token += num_warps) {
+            const i64 row = static_cast<i64>(src) * capacity + token;
+            char* dst = static_cast<char*>(out) + row * row_bytes;
+            if (mask[row]) {
+                const uint4* s = ep_at<const uint4>(peers[src], layout.rows + static_cast<u64>(token) * row_pitch);
+                for (int v = lane_id(); v < vecs; v += kWarpSize)
+                    store_v4(reinterpret_cast<uint4*>(dst) + v, ep_load_v4(s + v));
+            } else {
+                ep_zero_row(dst, vecs);
+            }
+        }
+        // The CTA's rows of src are written: count it; the last CTA of src publishes the arrival.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const int done = atomicAdd(counters + src, 1) + 1;
+            if (done == static_cast<int>(gridDim.x)) {
+                counters[src] = 0;
+                __threadfence();  // every CTA's rows (fenced before its increment) precede the arrival
+                ep_store_release_gpu(reinterpret_cast<u64*>(arrivals) + src, epoch);
+            }
+        }
+    }
+    ep_cta_finish(peers, layout, world, rank, false, epoch, false);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Pull: sums over ranks (combine, dispatch_backward). out[t] = sum over d = 0..W-1, in rank
 // order, of row (me * cap + t) of rank d's rows area where sent[d, t], accumulated in Acc and
 // rounded once. With d_topk: d_topk[t, k] = rank owner[t, k]'s weights area at (me * cap + t, k),

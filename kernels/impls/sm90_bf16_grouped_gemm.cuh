@@ -78,10 +78,22 @@ struct DropArgs<0> {
     }
 };
 
+// The producer's loader: the constructor takes the loader's leading kernel arguments, if any
+// (Loader::kNumArgs; the waiting loader's), after the thread index.
+template <class Load, class Stages, class... Extra>
+__device__ __forceinline__ Load make_loader(const LoaderArgs& args, const Stages& stages, uint32_t thread,
+                                            const Extra&... extra) {
+    if constexpr (Load::kNumArgs == 0)
+        return Load(args, stages, thread);
+    else
+        return Load(args, stages, thread, extra...);
+}
+
 // Kernel arguments: the expert ranges and problem size, the loader's gather arguments (row map,
 // top_k, token matrix and its row count; placeholders for LoaderTma), the operand maps, then the
-// mainloop's arguments (Mainloop::kNumArgs of them: none for bf16, the scales for fp8), then the
-// epilogue's.
+// loader's own arguments (Loader::kNumArgs: only the waiting loader has any; never with a mainloop
+// that has arguments), the mainloop's arguments (Mainloop::kNumArgs of them: none for bf16, the
+// scales for fp8), then the epilogue's.
 template <class Traits, template <class> class Loader, template <class, bool> class Mainloop, class Epilogue,
           class... ExtraArgs>
 __global__ void __launch_bounds__(kNumThreads, 1)
@@ -98,9 +110,12 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     using Pipeline = sm90::TmaPipeline<Traits::kNumStages, Traits::kNumConsumerWarpsPerStage, Traits::kClusterN,
                                        Load::kCopyArrivals>;
     using Scheduler =
-        sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN>;
+        sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN,
+                                Load::kOrderedM>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     constexpr uint32_t kClusterN = Traits::kClusterN;
+    static_assert(Load::kNumArgs == 0 || MMA::kNumArgs == 0, "a loader with kernel arguments takes the bf16 mainloop");
+    constexpr uint32_t kLeadingArgs = Load::kNumArgs + MMA::kNumArgs;  // before the epilogue's
 
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const uint32_t smem = (ptx::smem_addr(smem_raw) + 1023) / 1024 * 1024;
@@ -131,13 +146,15 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         if (Load::runs(threadIdx.x / 32)) {
             const LoaderArgs args{shape_m, shape_n, shape_k, gather_row_to_slot, gather_top_k, gather_x,
                                   gather_x_rows, tma_a, tma_b, cta_rank};
-            Load loader(args, stages, thread_in_wg);
+            Load loader = make_loader<Load>(args, stages, thread_in_wg, extra_args...);
             if (loader.leader) {
                 ptx::prefetch_tensormap(&tma_a);
                 ptx::prefetch_tensormap(&tma_b);
             }
             Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                                 cta_rank);
+            if constexpr (Load::kOrderedM)
+                scheduler.m_order = Load::m_order(extra_args...);
             sm90::PipelineState<Traits::kNumStages> st;
             sched::GroupedTile tile;
             while (scheduler.next(tile)) {
@@ -152,6 +169,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
+        if constexpr (Load::kOrderedM)  // the producer's order: both walk the same tiles
+            scheduler.m_order = Load::m_order(extra_args...);
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
         // The mainloop reads its leading kernel arguments; the epilogue gets the rest.
         const typename MMA::Params mainloop_params(shape_m, shape_n, shape_k, extra_args...);
@@ -189,10 +208,10 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             for (uint32_t s = 0; s < kSlices; ++s) {
                 const EpilogueTile<Traits::BLOCK_N, Traits::kPairedN> epi_tile{
                     Columns(t.n_block, shape_n), tile_row + (first_slice + s) * 64, t.m_block, t.n_block, t.expert};
-                if constexpr (MMA::kNumArgs == 0)
+                if constexpr (kLeadingArgs == 0)
                     epilogue(acc[s], epi_tile, extra_args...);
                 else
-                    DropArgs<MMA::kNumArgs>::apply([&](const auto&... rest) { epilogue(acc[s], epi_tile, rest...); },
+                    DropArgs<kLeadingArgs>::apply([&](const auto&... rest) { epilogue(acc[s], epi_tile, rest...); },
                                                    extra_args...);
             }
         };

@@ -10,6 +10,12 @@
 //   static bool runs(uint32_t warp);              which producer threads (warp: of the CTA) load
 //   Loader(const LoaderArgs&, const Stages&, uint32_t thread_in_warpgroup);
 //   bool leader;                                  the thread that issues the TMA loads
+//   static constexpr uint32_t kNumArgs;           leading kernel arguments (after the core's) the
+//                                                 loader reads: its constructor takes them after the
+//                                                 thread index (LoaderGatherCpAsyncAwait's; 0 else)
+//   static constexpr bool kOrderedM;              the scheduler walks the M blocks in the order
+//                                                 Loader::m_order(kernel arguments...) gives (false
+//                                                 but for LoaderGatherCpAsyncAwait)
 //   void begin_tile(const GroupedTile&);          per-tile state (e.g. gathered source rows)
 //   void load(const Pipe&, const PipelineState&, const GroupedTile&, const Columns&, uint32_t kb);
 //     waits for the stage to be free and fills it; every thread that runs() calls it.
@@ -27,6 +33,10 @@
 //                         cp.async, each thread one 32-byte sector of several rows (GatherLayout),
 //                         writing each chunk at its swizzled position; each thread's copies arrive
 //                         on the stage's full barrier (noinc).
+//   LoaderGatherCpAsyncAwait  LoaderGatherCpAsync of the M-grouped A whose token rows are still
+//                         being written by the expert-parallel dispatch (DGE_EP_OVERLAP): before a
+//                         tile's loads each producer warp waits until the source ranks of its rows
+//                         have arrived (see the struct).
 // Gathering loaders read one operand from a token matrix x [T, C] (x for the L1 forward and dW1,
 // dy for the L2 dgrad and dW2): pool row r reads x[row_to_slot[r] / top_k]; padding rows
 // (row_to_slot[r] < 0), slots past x and rows past the pool read zeros.
@@ -142,6 +152,8 @@ template <class Traits>
 struct LoaderTma {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
+    static constexpr uint32_t kNumArgs = 0;
+    static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 0;
     static constexpr bool kGenericProxyWrites = false;
 
@@ -196,6 +208,8 @@ struct LoaderGatherTmaRows {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     using Gather = GatherLayout<true, false, 2>;
+    static constexpr uint32_t kNumArgs = 0;
+    static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 0;
     static constexpr bool kGenericProxyWrites = false;
 
@@ -242,6 +256,8 @@ struct LoaderGatherCpAsync {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     using Gather = GatherLayout<false, Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;
+    static constexpr uint32_t kNumArgs = 0;
+    static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 128;
     static constexpr bool kGenericProxyWrites = true;
 
@@ -310,6 +326,115 @@ struct LoaderGatherCpAsync {
             TmaOperands<Traits>::load_a(args, stages, st.stage, tile, k0, full);
         else
             TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
+    }
+};
+
+// LoaderGatherCpAsync of the M-grouped K-major A over rows that the expert-parallel dispatch is
+// still writing (kernels/impls/ep_transport.cuh, ep_pull_rows_arrive_kernel). x is the dispatched
+// x_r [W * cap, K]: token row j is source rank j / cap's token j % cap, and the pull stores the
+// piece's epoch into arrivals[s] (release, gpu scope) once source s's block is complete.
+// begin_tile looks up the tile's rows as LoaderGatherCpAsync does, then each producer warp
+// reduces the source ranks of its rows to [lo, hi] (an expert's pool rows are in slot order, so a
+// tile's sources are a contiguous range; a superset is waited for otherwise) and its lane 0 spins
+// until arrivals[s] >= epoch for s in [lo, hi] (acquire loads, gpu scope); __syncwarp orders the
+// warp's cp.async reads after them. One waiter per warp: the warps need no barrier between them,
+// and each waits only for its own rows. The wait is bounded: past timeout_ns (%globaltimer) it
+// writes the rank, the source, the awaited epoch and the value seen into `report` (pinned host
+// memory: it stays readable by the host after the trap; comm/symmetric.py prints it) and traps.
+// Not printf: a function call anywhere in a kernel makes ptxas serialize every wgmma of it
+// (C7510, "wgmma pipeline crossing function boundary"), and vprintf is a call.
+// Kernel arguments (kNumArgs, after the core's): arrivals [W] (u64 in int64 storage), the epoch (a
+// pointer to this rank's epoch in its region, read once: the GEMM runs between the dispatch's
+// pull and the next piece's publish, so it is stable), cap, timeout_ns, rank, report (the address of
+// a pinned host int64 [5]: set flag, rank, source, awaited epoch, seen; under unified addressing a
+// pinned host pointer is valid in kernels), m_order [ceil(P / 128)] int32: the M blocks in the
+// order their rows arrive (kOrderedM: the scheduler walks them so, or every CTA would soon wait at a
+// tile of a late source, since each expert's rows run through all sources in slot order).
+template <class Traits>
+struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits, false> {
+    using Base = LoaderGatherCpAsync<Traits, false>;
+    using typename Base::Stages;
+    static_assert(!Traits::kKGrouped, "the waiting loader gathers the A of M-grouped GEMMs (the L1 forward)");
+    static constexpr uint32_t kNumArgs = 7;
+    static constexpr bool kOrderedM = true;
+
+    const unsigned long long* arrivals;
+    unsigned long long epoch;
+    uint32_t capacity;
+    unsigned long long timeout_ns;
+    int rank;
+    volatile long long* report;
+    uint32_t lane;
+
+    template <class... Rest>
+    __device__ LoaderGatherCpAsyncAwait(const LoaderArgs& args_, const Stages& stages_, uint32_t thread,
+                                        const long long* arrivals_, const long long* epoch_, uint32_t capacity_,
+                                        unsigned long long timeout_ns_, int rank_, unsigned long long report_,
+                                        const int*, const Rest&...)
+        : Base(args_, stages_, thread), arrivals(reinterpret_cast<const unsigned long long*>(arrivals_)),
+          epoch(*reinterpret_cast<const volatile unsigned long long*>(epoch_)), capacity(capacity_),
+          timeout_ns(timeout_ns_), rank(rank_), report(reinterpret_cast<volatile long long*>(report_)),
+          lane(thread % 32) {}
+
+    template <class... Rest>
+    __device__ __forceinline__ static const int* m_order(const long long*, const long long*, uint32_t,
+                                                         unsigned long long, int, unsigned long long, const int* order,
+                                                         const Rest&...) {
+        return order;
+    }
+
+    __device__ __forceinline__ static unsigned long long load_acquire(const unsigned long long* ptr) {
+        unsigned long long value;
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+        return value;
+    }
+    __device__ __forceinline__ static unsigned long long globaltimer() {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+    }
+
+    __device__ __forceinline__ void await_source(uint32_t source) const {
+        unsigned long long seen = load_acquire(arrivals + source);
+        if (seen >= epoch)
+            return;
+        const unsigned long long start = globaltimer();
+        while (true) {
+            __nanosleep(128);
+            seen = load_acquire(arrivals + source);
+            if (seen >= epoch)
+                return;
+            if (globaltimer() - start > timeout_ns) {
+                report[1] = rank;
+                report[2] = static_cast<long long>(source);
+                report[3] = static_cast<long long>(epoch);
+                report[4] = static_cast<long long>(seen);
+                __threadfence_system();
+                report[0] = 1;
+                __threadfence_system();
+                __trap();
+            }
+        }
+    }
+
+    __device__ __forceinline__ void begin_tile(const sched::GroupedTile& tile) {
+        Base::begin_tile(tile);
+        uint32_t lo = 0xffffffffu, hi = 0;
+#pragma unroll
+        for (uint32_t i = 0; i < Base::Gather::kRowsPerThread; ++i) {
+            if (this->src_rows[i] >= 0) {
+                const uint32_t source = static_cast<uint32_t>(this->src_rows[i]) / capacity;
+                lo = min(lo, source);
+                hi = max(hi, source);
+            }
+        }
+        lo = __reduce_min_sync(0xffffffffu, lo);
+        hi = __reduce_max_sync(0xffffffffu, hi);
+        if (lane == 0) {
+            for (uint32_t source = lo; source <= hi; ++source)  // empty (lo > hi) for all-padding rows
+                await_source(source);
+        }
+        __syncwarp();
     }
 };
 

@@ -57,8 +57,14 @@ __device__ __forceinline__ uint32_t owning_expert(const int* starts, const int* 
     return lo < num_experts && static_cast<uint32_t>(__ldg(starts + lo)) <= row ? lo : num_experts;
 }
 
-template <GroupedGemmType kType, uint32_t BLOCK_M, uint32_t BLOCK_K, uint32_t kGroupM, uint32_t kClusterSize>
+// kOrderedM (M-grouped, no clusters): the M blocks are walked in the order m_order[0 .. num_m_blocks)
+// (a permutation of the used blocks, set by the kernel after construction) instead of 0, 1, ...: the
+// L1 GEMM overlapped with the expert-parallel dispatch walks them in the order their rows arrive.
+template <GroupedGemmType kType, uint32_t BLOCK_M, uint32_t BLOCK_K, uint32_t kGroupM, uint32_t kClusterSize,
+          bool kOrderedM = false>
 struct GroupedScheduler {
+    static_assert(!kOrderedM || (kType == GroupedGemmType::MGroupedContiguous && kClusterSize == 1),
+                  "GroupedScheduler: an M order is for M-grouped GEMMs without clusters");
     static_assert(kGroupM > 0, "GroupedScheduler: kGroupM must be positive");
     static_assert(kClusterSize == 1 || kClusterSize == 2, "GroupedScheduler: clusters of 1 or 2 CTAs");
     // M blocks per unit and per scheduling group (M-grouped: kGroupM blocks, rounded up to pairs).
@@ -76,6 +82,7 @@ struct GroupedScheduler {
     uint32_t next_unit;
     uint32_t stride;
     uint32_t cta_rank;
+    const int* m_order = nullptr;  // kOrderedM only
 
     __device__ GroupedScheduler(const int* starts_, const int* ends_, uint32_t num_experts_, uint32_t shape_m,
                                 uint32_t num_n_blocks_, uint32_t shape_k, uint32_t unit_begin,
@@ -108,7 +115,10 @@ struct GroupedScheduler {
                 const uint32_t m_unit = first_u + in_group % rows;
                 tile.n_block = in_group / rows;
                 if constexpr (kClusterSize == 1) {
-                    tile.m_block = m_unit;
+                    if constexpr (kOrderedM)
+                        tile.m_block = static_cast<uint32_t>(__ldg(m_order + m_unit));
+                    else
+                        tile.m_block = m_unit;
                     tile.expert = owning_expert(starts, ends, num_experts, tile.m_block * BLOCK_M);
                     if (tile.expert >= num_experts)
                         continue;
