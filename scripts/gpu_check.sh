@@ -37,13 +37,13 @@ fi
 if has tests; then
   # Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}" || echo "")
-  timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py --ignore=tests/test_gpu_ep_symmetric.py \
+  timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py --ignore=tests/test_gpu_ep_symmetric.py --ignore=tests/test_gpu_ep_overlap.py \
     tests > "$out/tests.log" 2>&1 || status=1
   note "tests: $(tail -1 "$out/tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 | tee -a "$summary"
   # Ranks emulated on one GPU: their own process, with the driver settings they need from CUDA's start.
   CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 DGE_EP_TIMEOUT_S=${DGE_EP_TIMEOUT_S:-30} \
-    timeout 600 python3 -m pytest -q -rfE tests/test_gpu_ep_symmetric.py > "$out/tests_ep.log" 2>&1 || status=1
+    timeout 600 python3 -m pytest -q -rfE tests/test_gpu_ep_symmetric.py tests/test_gpu_ep_overlap.py > "$out/tests_ep.log" 2>&1 || status=1
   note "tests (emulated EP ranks): $(tail -1 "$out/tests_ep.log")"
   grep -E "^(FAILED|ERROR)" "$out/tests_ep.log" | head -30 | tee -a "$summary"
 fi

@@ -14,6 +14,26 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs an SM90 (Hopper) GPU")
 
 
+def _modules_load_eagerly() -> bool:
+    """Whether the CUDA driver of this process loads modules eagerly (fixed when CUDA started)."""
+    if not HAS_CUDA:
+        return True  # the GPU markers decide
+    from deep_gemm_ext.jit.driver import module_loading_mode
+
+    torch.cuda.init()
+    return module_loading_mode() == "EAGER"
+
+
+# Kernels that wait on each other inside one process (emulated expert-parallel ranks, a GEMM waiting
+# for rows another stream writes) need every module loaded before they run: a lazy load synchronizes
+# the device. Such tests run in a process started with the settings below (scripts/gpu_check.sh).
+requires_eager_loading = pytest.mark.skipif(
+    not _modules_load_eagerly(),
+    reason="needs CUDA_MODULE_LOADING=EAGER from CUDA's start: run `CUDA_MODULE_LOADING=EAGER "
+           "CUDA_DEVICE_MAX_CONNECTIONS=32 python -m pytest tests/test_gpu_ep_symmetric.py "
+           "tests/test_gpu_ep_overlap.py` on their own (scripts/gpu_check.sh does)")
+
+
 def _has_compiler() -> bool:
     from deep_gemm_ext.jit import compiler
     try:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext.comm.emulated import emulated_ep_buffers, run_emulated_ranks  # noqa: E402
 
-from conftest import requires_hopper  # noqa: E402
+from conftest import requires_eager_loading, requires_hopper  # noqa: E402
 from test_ep_all_to_all import _expected_rows, global_inputs  # noqa: E402
 import test_ep_all_to_all as a2a  # noqa: E402
 
@@ -79,6 +79,7 @@ def _run_layer(buffers, inputs, e_loc, poison: bool):
     return run_emulated_ranks(rank_step, len(buffers))
 
 
+@requires_eager_loading
 @pytest.mark.parametrize("world,e_loc,inter", [(2, 2, 128), (4, 3, 256)])
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "unused_slots"])
 @pytest.mark.parametrize("swiglu_epilogues", [True, False])
@@ -117,6 +118,7 @@ def test_layer_bit_identical_to_the_plain_symmetric_exchange(world, e_loc, inter
             assert arrivals[0].item() == 4 * call + 1, (seed, rank, arrivals, epoch)
 
 
+@requires_eager_loading
 def test_overlapped_dispatch_pieces(shapes, monkeypatch):
     """dispatch_overlapped's x_r, idx_r, w_r, handle against the plain dispatch's and the loops'."""
     world, e_loc, cap, seed = 4, 2, 40, _seed()
@@ -175,6 +177,7 @@ def _waiting_gemm_inputs(seed, world, cap, num_experts, n, routing):
     return x, meta, b
 
 
+@requires_eager_loading
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("routing", ["uniform", "unused_slots"])
 def test_waiting_gemm_waits_for_each_source_block(swiglu, routing):

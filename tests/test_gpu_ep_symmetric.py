@@ -27,31 +27,11 @@ import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext.comm.emulated import emulated_ep_buffers, run_emulated_ranks  # noqa: E402
 from deep_gemm_ext.testing import rel_err  # noqa: E402
 
-from conftest import requires_hopper  # noqa: E402
+from conftest import requires_eager_loading, requires_hopper  # noqa: E402
 from test_ep_all_to_all import _expected_rows, global_inputs, reference_grads  # noqa: E402
 import test_ep_all_to_all as a2a  # noqa: E402
 
 pytestmark = requires_hopper
-
-
-def _modules_load_eagerly() -> bool:
-    """Whether this process's CUDA driver loads modules eagerly (decided when CUDA started: the
-    environment above takes effect only where this file is the first to start CUDA)."""
-    if not torch.cuda.is_available():
-        return True  # requires_hopper decides
-    from deep_gemm_ext.jit.driver import module_loading_mode
-
-    torch.cuda.init()
-    return module_loading_mode() == "EAGER"
-
-
-# In-process emulated ranks need eager module loading (run_emulated_ranks refuses lazy loading);
-# where another test started CUDA first, these run in their own process instead.
-requires_eager_loading = pytest.mark.skipif(
-    not _modules_load_eagerly(),
-    reason="emulated ranks need CUDA_MODULE_LOADING=EAGER from CUDA's start: run `CUDA_MODULE_LOADING=EAGER "
-           "CUDA_DEVICE_MAX_CONNECTIONS=32 python -m pytest tests/test_gpu_ep_symmetric.py` on its own "
-           "(scripts/gpu_check.sh does)")
 
 H, K = 256, 4
 
@@ -195,8 +175,9 @@ def test_fp8_recipe_with_fp8_rows(shapes):
             emu = emulated[i][lo:hi] if i < 3 else emulated[i][mine]
             limit = (1.1 if i < 3 else 1.5) * rel_err(emu, ref) + 1e-3
             err = rel_err(got[rank][i], ref)
-            assert err <= limit, (f"seed {seed} rank {rank}: {name} error {err:.4g} against fp64, limit {limit:.4g} "
-                                  f"(emulation {rel_err(emu, ref):.4g}; vs the emulation {rel_err(got[rank][i], emu):.3g})")
+            assert err <= limit, (f"seed {seed} rank {rank}: {name} error {err:.4g} against fp64, limit "
+                                  f"{limit:.4g} (emulation {rel_err(emu, ref):.4g}; vs the emulation "
+                                  f"{rel_err(got[rank][i], emu):.3g})")
 
 
 @requires_eager_loading
