@@ -223,6 +223,35 @@ ep_publish_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int
 // names an expert of this rank (ids local to this rank, weights), else a zero row, ids -1,
 // weights 0 (also for t >= T_s). received[j] says which.
 
+// One received row's routing, by one warp: the source's ids of `token` that are this rank's experts
+// (first .. first + num_local_experts) as local ids, the others -1, with their weights (0 where not
+// this rank's), written to idx_r / w_r at `row`; returns whether any slot is this rank's.
+template <typename Weight>
+__device__ __forceinline__ bool ep_row_routing(long long base, const EpLayout& layout, bool present, int token,
+                                               int top_k, int first, int num_local_experts, i64 row,
+                                               int* __restrict__ idx_r, void* __restrict__ w_r, int lane) {
+    bool any_mine = false;
+    for (int k0 = 0; k0 < top_k; k0 += kWarpSize) {
+        const int k = k0 + lane;
+        int local = -1;
+        Weight weight = 0;
+        if (present && k < top_k) {
+            const i64 slot = static_cast<i64>(token) * top_k + k;
+            const int id = ep_at<volatile int>(base, layout.ids)[slot];
+            if (id >= first && id < first + num_local_experts) {
+                local = id - first;
+                weight = ep_at<volatile Weight>(base, layout.weights)[slot];
+            }
+        }
+        if (k < top_k) {
+            idx_r[row * top_k + k] = local;
+            static_cast<Weight*>(w_r)[row * top_k + k] = weight;
+        }
+        any_mine |= __any_sync(kFullMask, local >= 0);
+    }
+    return any_mine;
+}
+
 template <int kWeightBytes>
 __global__ void __launch_bounds__(kEpThreads)
 ep_pull_dispatch_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int world, int rank, int capacity,
@@ -246,25 +275,8 @@ ep_pull_dispatch_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAM
         const int token = static_cast<int>(row % capacity);
         const long long base = peers[src];
         const bool present = token < *ep_at<volatile int>(base, layout.count);
-        bool any_mine = false;
-        for (int k0 = 0; k0 < top_k; k0 += kWarpSize) {
-            const int k = k0 + lane;
-            int local = -1;
-            Weight weight = 0;
-            if (present && k < top_k) {
-                const i64 slot = static_cast<i64>(token) * top_k + k;
-                const int id = ep_at<volatile int>(base, layout.ids)[slot];
-                if (id >= first && id < first + num_local_experts) {
-                    local = id - first;
-                    weight = ep_at<volatile Weight>(base, layout.weights)[slot];
-                }
-            }
-            if (k < top_k) {
-                idx_r[row * top_k + k] = local;
-                static_cast<Weight*>(w_r)[row * top_k + k] = weight;
-            }
-            any_mine |= __any_sync(kFullMask, local >= 0);
-        }
+        const bool any_mine = ep_row_routing<Weight>(base, layout, present, token, top_k, first, num_local_experts,
+                                                    row, idx_r, w_r, lane);
         char* dst = static_cast<char*>(x_r) + row * row_bytes;
         if (any_mine) {
             const uint4* s = ep_at<const uint4>(base, layout.rows + static_cast<u64>(token) * row_pitch);
@@ -354,25 +366,8 @@ ep_pull_meta_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, i
         const int token = static_cast<int>(row % capacity);
         const long long base = peers[src];
         const bool present = token < *ep_at<volatile int>(base, layout.count);
-        bool any_mine = false;
-        for (int k0 = 0; k0 < top_k; k0 += kWarpSize) {
-            const int k = k0 + lane;
-            int local = -1;
-            Weight weight = 0;
-            if (present && k < top_k) {
-                const i64 slot = static_cast<i64>(token) * top_k + k;
-                const int id = ep_at<volatile int>(base, layout.ids)[slot];
-                if (id >= first && id < first + num_local_experts) {
-                    local = id - first;
-                    weight = ep_at<volatile Weight>(base, layout.weights)[slot];
-                }
-            }
-            if (k < top_k) {
-                idx_r[row * top_k + k] = local;
-                static_cast<Weight*>(w_r)[row * top_k + k] = weight;
-            }
-            any_mine |= __any_sync(kFullMask, local >= 0);
-        }
+        const bool any_mine = ep_row_routing<Weight>(base, layout, present, token, top_k, first, num_local_experts,
+                                                    row, idx_r, w_r, lane);
         if (lane == 0)
             static_cast<unsigned char*>(received)[row] = any_mine ? 1 : 0;
     }
