@@ -133,6 +133,19 @@ def _grouped_table(args) -> int:
     return 0
 
 
+def _cublas_tflops(m: int, n: int, k: int, reps: int, cache: dict | None = None) -> float:
+    """TFLOP/s of one dense bf16 cuBLAS GEMM (torch.matmul) of M x N x K on random operands, timed
+    once per shape when a ``cache`` is given."""
+    if cache is not None and (m, n, k) in cache:
+        return cache[(m, n, k)]
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    tflops = 2.0 * m * n * k / median_ms(lambda: torch.matmul(a, b), reps) / 1e9
+    if cache is not None:
+        cache[(m, n, k)] = tflops
+    return tflops
+
+
 def _schedule_table(args) -> int:
     results = []
     for workload in args.workload or _SCHEDULE_WORKLOADS:
@@ -143,11 +156,8 @@ def _schedule_table(args) -> int:
             row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k}
             for schedule in gg.SCHEDULES:
                 row[schedule] = flops / median_ms(lambda: ours(schedule), args.reps) / 1e9
-            a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
-            row["cublas"] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
+            row["cublas"] = _cublas_tflops(m, n, k, args.reps)
             results.append(row)
-            del a, b
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -374,12 +384,7 @@ def _cluster_table(args) -> int:
             row = {"workload": w.name, "dtype": dtype, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same}
             for c in gg.CLUSTER_SIZES:
                 row[f"c{c}"] = flops / median_ms(lambda: fn(c), args.reps) / 1e9
-            if (m, n, k) not in cublas:
-                a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
-                cublas[(m, n, k)] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
-                del a, b
-            row["cublas"] = cublas[(m, n, k)]
+            row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas)
             results.append(row)
         torch.cuda.empty_cache()
     if args.json:
@@ -436,12 +441,7 @@ def _epilogue_table(args) -> int:
                    "tile": gg.select_tile(out_n).block_n}
             for e in gg.EPILOGUE_BUFFERS:
                 row[f"e{e}"] = flops / median_ms(lambda: fn(e), args.reps) / 1e9
-            if (m, n, k) not in cublas:
-                a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
-                cublas[(m, n, k)] = flops / median_ms(lambda: torch.matmul(a, b), args.reps) / 1e9
-                del a, b
-            row["cublas"] = cublas[(m, n, k)]
+            row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas)
             results.append(row)
         torch.cuda.empty_cache()
     if args.json:
