@@ -112,6 +112,17 @@ def received_rows_of(rows: torch.Tensor, hidden: int, dtype: torch.dtype, fp8_ro
     return dequantize_rows(data, scale).to(dtype)
 
 
+def check_buffer_sizes(max_tokens_per_rank, hidden, top_k, dtype) -> None:
+    """An EP buffer's shape class: positive ints and one of the exchanged dtypes."""
+    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype={dtype}; expected one of {_DTYPES}")
+
+
 class EpBuffer:
     """Capacity of the all-to-all exchange for one (group, shape class): create it once, pass it on
     every call. ``max_tokens_per_rank`` is the most tokens any rank passes (the same on every rank);
@@ -134,13 +145,7 @@ class EpBuffer:
             # The name travels inside the plan string (deep_gemm_ext.plan), whose separators these are.
             raise ValueError(f"group name {self.group.group_name!r} contains ';' or '='; expected a group made by "
                              f"torch.distributed.new_group or a DeviceMesh")
-        for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden), ("top_k", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name}={value} must be at least 1")
-        if dtype not in _DTYPES:
-            raise TypeError(f"dtype={dtype}; expected one of {_DTYPES}")
+        check_buffer_sizes(max_tokens_per_rank, hidden, top_k, dtype)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.hidden = hidden
         self.top_k = top_k

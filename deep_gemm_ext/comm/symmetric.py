@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
-from .all_to_all import _DTYPES, BlockedExchange, fp8_row_bytes, fp8_rows_of, received_rows_of, resolve_group
+from .all_to_all import (_DTYPES, BlockedExchange, check_buffer_sizes, fp8_row_bytes, fp8_rows_of, received_rows_of,
+                         resolve_group)
 from .emulated import EmulatedGroup, EmulatedWorld
 
 #: Transport CTAs per launch on real ranks: the exchange runs beside the GEMMs of another stream
@@ -139,13 +140,7 @@ class PendingRows(NamedTuple):
 
 
 def _check_sizes(max_tokens_per_rank, hidden, top_k, dtype) -> None:
-    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
-    if dtype not in _DTYPES:
-        raise TypeError(f"dtype={dtype}; expected one of {_DTYPES}")
+    check_buffer_sizes(max_tokens_per_rank, hidden, top_k, dtype)
     if (hidden * dtype.itemsize) % 16:
         raise ValueError(f"hidden={hidden}: rows of {hidden * dtype.itemsize} bytes; the symmetric exchange copies "
                          f"16-byte vectors, so hidden * itemsize must be a multiple of 16")
