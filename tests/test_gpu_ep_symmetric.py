@@ -142,6 +142,69 @@ def test_deterministic_over_ten_runs(shapes):
 
 
 @requires_eager_loading
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_graph_captures_an_emulated_step(overlap, shapes, monkeypatch):
+    """Each rank's fwd+bwd captured in a CUDA graph (no host sync, no load, epochs on the device),
+    the W graphs replayed together on the ranks' streams with fresh inputs copied into the captured
+    tensors: every rank's y and gradients bit for bit those of the eager step on the same inputs,
+    and an eager step after the replays still meets its peers (the epochs moved on in the graphs)."""
+    world, e_loc, seed = 2, 2, _seed()
+    shapes(e_loc)
+    monkeypatch.setenv("DGE_EP_OVERLAP", "1" if overlap else "0")
+    counts = [200, 75]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    buffers = emulated_ep_buffers(world, 256, H, K, torch.bfloat16, "cuda", blocks=max(1, sms // (4 * world)))
+
+    def fresh(offset):
+        return global_inputs(seed + offset, world, counts, "skewed", torch.bfloat16, "cuda", num_local=e_loc,
+                             hidden=H, inter=128)
+
+    first = fresh(0)
+    _run_layer(buffers, first, e_loc)  # warm-up: the agreement check, every kernel loaded
+    xs, idxs, ws, l1, l2, dys = first
+    static = []
+    for rank in range(world):
+        mine = slice(rank * e_loc, (rank + 1) * e_loc)
+        leaves = [t.clone().requires_grad_(True) for t in (xs[rank], ws[rank], l1[mine], l2[mine])]
+        static.append((leaves, idxs[rank].clone(), dys[rank].clone()))
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    graphs, outputs = [], []
+    for rank in range(world):
+        # Capturing launches nothing, so the ranks capture one after another on this thread.
+        leaves, idx, dy = static[rank]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=streams[rank]):
+            y = dge.mega_moe_train(leaves[0], idx, *leaves[1:], group=buffers[rank].group,
+                                   ep_buffer=buffers[rank])
+            grads = torch.autograd.grad(y, leaves, dy)
+        graphs.append(graph)
+        outputs.append([y.detach(), *grads])
+    for replay in range(1, 3):
+        inputs = fresh(replay)
+        xs, idxs, ws, l1, l2, dys = inputs
+        for rank in range(world):
+            (leaves, idx, dy), mine = static[rank], slice(rank * e_loc, (rank + 1) * e_loc)
+            with torch.no_grad():
+                for dst, src in zip([*leaves, idx, dy], (xs[rank], ws[rank], l1[mine], l2[mine], idxs[rank],
+                                                         dys[rank])):
+                    dst.copy_(src)
+        torch.cuda.synchronize()
+        for rank in range(world):
+            streams[rank].wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(streams[rank]):
+                graphs[rank].replay()
+        for rank in range(world):
+            torch.cuda.current_stream().wait_stream(streams[rank])
+        torch.cuda.synchronize()
+        got = [[t.clone() for t in outputs[rank]] for rank in range(world)]
+        want = _run_layer(buffers, inputs, e_loc)
+        for rank in range(world):
+            for name, a, b in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), got[rank], want[rank]):
+                assert torch.isfinite(a).all(), f"seed {seed} replay {replay} rank {rank}: {name} not finite"
+                assert torch.equal(a, b), f"seed {seed} replay {replay} rank {rank}: {name} differs from eager"
+
+
+@requires_eager_loading
 def test_fp8_recipe_with_fp8_rows(shapes):
     """recipe="fp8" at W=2: x's rows travel as e4m3 + 1x128 scales; y, dx and d topk_weights within
     1.1x (+1e-3) of the single-process fp8 emulation's error against fp64, the weights within 1.5x."""
