@@ -95,3 +95,26 @@ def test_cli_fails_on_gemm_spills(tmp_path, monkeypatch, capsys, registry_entry)
     monkeypatch.setattr(compiler.CacheEntry, "resources", lambda self: [spilling])
     assert cli.main(["build", "--only", "test_cli_spilly"]) == 1
     assert "spills 64 B stores + 64 B loads" in capsys.readouterr().err
+
+
+_LOAD_ALL_SCRIPT = """
+import deep_gemm_ext
+from deep_gemm_ext.jit import compiler, registry, runtime
+loaded = []
+runtime.Kernel.load = lambda self: loaded.append(self.name)  # no GPU: record what would load
+compiler.compile_cached = lambda name, code, arch: None       # and build nothing
+count = runtime.load_registered()
+registry.import_kernel_modules()
+every = sorted(c.name for configs in registry.registered_configs().values() for c in configs)
+assert count == len(every) and sorted(loaded) == every, (count, len(every), sorted(set(every) - set(loaded)))
+print("OK", count)
+"""
+
+
+def test_load_registered_loads_what_the_cli_builds():
+    """In a fresh process (only the package imported): every configuration of every kernel module,
+    the exchange's too (the package's __init__ does not import every module)."""
+    proc = subprocess.run([sys.executable, "-c", _LOAD_ALL_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    count = int(proc.stdout.split()[1])
+    assert count >= 15, proc.stdout  # the exchange's 15 at least

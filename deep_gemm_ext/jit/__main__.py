@@ -8,35 +8,14 @@ error or on register spills in a GEMM kernel.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import pkgutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from .compiler import DEFAULT_ARCH, compile_cached
-from .registry import Config, registered_configs
+from .registry import Config, import_kernel_modules, registered_configs
 from .runtime import SMEM_SYMBOL
 
-#: The package whose modules register the kernel configurations.
-KERNEL_PACKAGE = "deep_gemm_ext.jit_kernels"
-
-
-def import_kernel_modules() -> dict[str, Exception]:
-    """Import every module of KERNEL_PACKAGE so their ``@register`` hooks run; returns the modules
-    that failed to import, with their errors (one broken module must not hide the others' configs)."""
-    try:
-        package = importlib.import_module(KERNEL_PACKAGE)
-    except Exception as exc:
-        return {KERNEL_PACKAGE: exc}
-    failures = {}
-    for module in pkgutil.iter_modules(package.__path__):
-        name = f"{package.__name__}.{module.name}"
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            failures[name] = exc
-    return failures
 
 
 def _build_one(config: Config, arch: str):

@@ -1,10 +1,13 @@
 """Registered kernel configurations: what `python -m deep_gemm_ext.jit build --all` compiles.
 
 The registry only stores: kernel modules (deep_gemm_ext.jit_kernels.*) register their configs when
-they are imported, and whoever wants all of them (the CLI) imports those modules first.
+they are imported, and whoever wants all of them (the CLI, jit.load_registered) imports every one of
+those modules first (import_kernel_modules): the package's __init__ imports only some.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Callable, NamedTuple
 
 _registry: dict[str, Callable[[], list]] = {}
@@ -43,3 +46,24 @@ def registered_configs() -> dict[str, list[Config]]:
             items.append(Config(*item))
         result[group] = items
     return result
+
+
+#: The package whose modules register the kernel configurations.
+KERNEL_PACKAGE = "deep_gemm_ext.jit_kernels"
+
+
+def import_kernel_modules() -> dict[str, Exception]:
+    """Import every module of KERNEL_PACKAGE so their ``@register`` hooks run; returns the modules
+    that failed to import, with their errors (one broken module must not hide the others' configs)."""
+    try:
+        package = importlib.import_module(KERNEL_PACKAGE)
+    except Exception as exc:
+        return {KERNEL_PACKAGE: exc}
+    failures = {}
+    for module in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{module.name}"
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            failures[name] = exc
+    return failures

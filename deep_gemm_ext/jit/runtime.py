@@ -309,9 +309,14 @@ def load_registered() -> int:
     """Build (from the caches where they are) and load every registered kernel configuration into
     the current device's context; returns how many. Compiles what the disk cache lacks (slow on a
     cold cache: ``python -m deep_gemm_ext.jit build --all`` first)."""
-    from .. import jit_kernels  # noqa: F401  (registers the configurations)
-    from .registry import registered_configs
+    from .registry import import_kernel_modules, registered_configs
 
+    # Every kernel module, not only those the package imports: a configuration missing here would
+    # load at its first launch, the very load this function exists to avoid.
+    failures = import_kernel_modules()
+    if failures:
+        raise RuntimeError("load_registered: kernel modules failed to import: " + "; ".join(
+            f"{name}: {type(exc).__name__}: {exc}" for name, exc in failures.items()))
     count = 0
     for configs in registered_configs().values():
         for config in configs:
