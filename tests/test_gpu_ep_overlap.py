@@ -137,16 +137,20 @@ def test_overlapped_dispatch_pieces(shapes, monkeypatch):
         arrivals, _, epoch = buffers[rank].overlap_state()
         return [t.cpu() for t in (x_r, idx_r, w_r, y, *handle, arrivals, epoch)]
 
-    out = run_emulated_ranks(rank_step, world)
-    for rank in range(world):
-        x_r, idx_r, w_r, y, sent, slot_rank, received, arrivals, epoch = out[rank]
-        exp_x, exp_idx, exp_w = _expected_rows(rank, world, xs, idxs, ws, cap, H)
-        assert torch.equal(x_r, exp_x) and torch.equal(idx_r, exp_idx) and torch.equal(w_r, exp_w), (seed, rank)
-        assert torch.equal(received, (exp_idx >= 0).any(-1)), (seed, rank)
-        copies = sent.sum(0, keepdim=True).T.float()
-        assert torch.equal(y, (xs[rank].float() * copies).bfloat16()), (seed, rank)
-        # The dispatch ran at epoch 1 (the first piece); combine's publish moved the epoch to 2.
-        assert arrivals.tolist() == [1] * world and epoch.item() == 2, (seed, rank, arrivals, epoch)
+    # Twelve calls: more streams than torch's pool of 32 hands out before it comes round again (the
+    # ranks' streams and the side streams must stay distinct queues on every call).
+    for call in range(12):
+        out = run_emulated_ranks(rank_step, world)
+        for rank in range(world):
+            x_r, idx_r, w_r, y, sent, slot_rank, received, arrivals, epoch = out[rank]
+            exp_x, exp_idx, exp_w = _expected_rows(rank, world, xs, idxs, ws, cap, H)
+            assert torch.equal(x_r, exp_x) and torch.equal(idx_r, exp_idx) and torch.equal(w_r, exp_w), (seed, rank)
+            assert torch.equal(received, (exp_idx >= 0).any(-1)), (seed, rank)
+            copies = sent.sum(0, keepdim=True).T.float()
+            assert torch.equal(y, (xs[rank].float() * copies).bfloat16()), (seed, rank)
+            # The dispatch ran at epoch 2 call + 1 (the first piece); combine's publish moved it on by one.
+            assert arrivals.tolist() == [2 * call + 1] * world and epoch.item() == 2 * call + 2, (
+                seed, call, rank, arrivals, epoch)
 
     # fp8 rows and non-bf16 x are refused before anything launches.
     with pytest.raises(ValueError, match="bf16 rows"):

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from .. import _env, jit
-from ..jit.driver import module_loading_mode
+from ..jit.driver import module_loading_mode, new_stream
 
 _NAMES = itertools.count()
 
@@ -89,6 +89,18 @@ def emulated_ep_buffers(world_size: int, max_tokens_per_rank: int, hidden: int, 
 
 
 _PRELOADED: set[int] = set()
+_RANK_STREAMS: dict[int, list] = {}
+
+
+def rank_streams(world_size: int, device: int | None = None) -> list:
+    """The streams of emulated ranks 0..W-1 on ``device``: created once (jit.driver.new_stream,
+    never torch's pooled streams, which come round again and would put two ranks' waiting
+    kernels, or a rank and a buffer's side stream, into one queue), the same on every call."""
+    device = torch.cuda.current_device() if device is None else device
+    streams = _RANK_STREAMS.setdefault(device, [])
+    while len(streams) < world_size:
+        streams.append(new_stream(device))
+    return streams[:world_size]
 
 
 def _preload_kernels() -> None:
@@ -101,7 +113,7 @@ def _preload_kernels() -> None:
 
 def run_emulated_ranks(fn, world_size: int) -> list:
     """``[fn(0), ..., fn(W - 1)]``, each call on its own host thread and its own CUDA stream (of
-    the current device); joins them, re-raises the first exception (by rank), and synchronizes the
+    the current device, :func:`rank_streams`: the same W streams on every call); joins them, re-raises the first exception (by rank), and synchronizes the
     device before returning."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive int")
@@ -125,7 +137,7 @@ def run_emulated_ranks(fn, world_size: int) -> list:
     _preload_kernels()
     device = torch.cuda.current_device()
     origin = torch.cuda.current_stream(device)
-    streams = [torch.cuda.Stream(device) for _ in range(world_size)]
+    streams = rank_streams(world_size, device)
     for stream in streams:
         stream.wait_stream(origin)
     results: list = [None] * world_size
@@ -154,4 +166,4 @@ def run_emulated_ranks(fn, world_size: int) -> list:
     return results
 
 
-__all__ = ["EmulatedGroup", "EmulatedWorld", "emulated_ep_buffers", "run_emulated_ranks"]
+__all__ = ["EmulatedGroup", "EmulatedWorld", "emulated_ep_buffers", "rank_streams", "run_emulated_ranks"]

@@ -281,7 +281,9 @@ class SymmetricEpBuffer:
     def side_stream(self) -> torch.cuda.Stream:
         """The stream of the overlapped dispatch's row pull (one per buffer: per rank)."""
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.peers.device)
+            from ..jit.driver import new_stream
+
+            self._side_stream = new_stream(self.peers.device)  # never a pooled stream (new_stream says why)
         return self._side_stream
 
     def overlap_gemm_ctas(self) -> int:

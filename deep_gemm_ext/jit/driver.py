@@ -28,3 +28,29 @@ def module_loading_mode() -> str:
     cuda = driver()
     mode = check(cuda.cuModuleGetLoadingMode(), "cuModuleGetLoadingMode")
     return "EAGER" if mode == cuda.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING else "LAZY"
+
+
+_OWNED_STREAMS: list = []  # created here, alive for the process (torch's wrappers do not own them)
+
+
+def new_stream(device):
+    """A CUDA stream of its own on ``device`` (cuStreamCreate, non-blocking), as a torch stream.
+
+    ``torch.cuda.Stream()`` hands out 32 pooled streams per device round robin: a stream kept for
+    later (a buffer's side stream) is handed out again as a "new" stream some 32 creations on, and
+    the two users then share one queue. Kernels that wait on each other (the emulated ranks' on
+    their streams) must not: a waiting kernel would hold back the kernel it waits for."""
+    import torch
+
+    cuda = driver()
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    torch.cuda.init()
+    if not int(check(cuda.cuCtxGetCurrent(), "cuCtxGetCurrent")):  # no context on this thread yet
+        ctx = check(cuda.cuDevicePrimaryCtxRetain(check(cuda.cuDeviceGet(index), "cuDeviceGet")),
+                    "cuDevicePrimaryCtxRetain")
+        check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    with torch.cuda.device(index):
+        handle = check(cuda.cuStreamCreate(cuda.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        _OWNED_STREAMS.append(handle)
+        return torch.cuda.ExternalStream(int(handle), device=index)
