@@ -259,7 +259,7 @@ def test_bad_inputs():
     def rank_step(rank):
         return buffers[rank].exchange(e_loc + rank).dispatch(x[:4], idx[:4], w[:4])
 
-    with pytest.raises(ValueError, match=r"num_local_experts differs .* rank 0: 2, rank 1: 3"):
+    with pytest.raises(ValueError, match=r"num_local_experts differs .*rank 0: 2, rank 1: 3"):
         run_emulated_ranks(rank_step, world)
     with pytest.raises(ValueError, match="ep_buffer is None"):
         dge.mega_moe_train(x, idx, w, torch.zeros(2, 256, H, dtype=torch.bfloat16, device="cuda"),
