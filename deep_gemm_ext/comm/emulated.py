@@ -157,11 +157,18 @@ def run_emulated_ranks(fn, world_size: int) -> list:
             thread.start()
         for thread in threads:
             thread.join()
+    failed = [(rank, exc) for rank, exc in enumerate(errors) if exc is not None]
+    if failed:
+        # The first rank's exception is the cause; the others' kernels may now wait for launches
+        # that never come (their bounded waits trap), so the device is not touched before raising.
+        rank, exc = failed[0]
+        others = ", ".join(f"rank {r}: {type(e).__name__}" for r, e in failed[1:])
+        note = f"raised on emulated rank {rank} of {world_size}" + (f" (also {others})" if others else "")
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(note)
+        raise exc
     for stream in streams:
         origin.wait_stream(stream)
-    for exc in errors:
-        if exc is not None:
-            raise exc
     torch.cuda.synchronize(device)
     return results
 
