@@ -128,19 +128,21 @@ def test_overlapped_dispatch_pieces(shapes, monkeypatch):
                                      hidden=H)
     buffers = emulated_ep_buffers(world, cap, H, K, torch.bfloat16, "cuda", blocks=_blocks(world))
 
+    # Copies between host and device outside the ranks' threads (run_emulated_ranks says why).
+    inputs = [(x.cuda(), i.cuda(), w.cuda()) for x, i, w in zip(xs, idxs, ws)]
+
     def rank_step(rank):
         ex = buffers[rank].exchange(e_loc)
-        x_r, idx_r, w_r, handle, pending = ex.dispatch_overlapped(xs[rank].cuda(), idxs[rank].cuda(),
-                                                                  ws[rank].cuda())
+        x_r, idx_r, w_r, handle, pending = ex.dispatch_overlapped(*inputs[rank])
         torch.cuda.current_stream().wait_event(pending.done)
         y = ex.combine(x_r, handle)  # the next piece: the pull's consumed flags were raised
         arrivals, _, epoch = buffers[rank].overlap_state()
-        return [t.cpu() for t in (x_r, idx_r, w_r, y, *handle, arrivals, epoch)]
+        return [x_r, idx_r, w_r, y, *handle, arrivals.clone(), epoch.clone()]
 
     # Twelve calls: more streams than torch's pool of 32 hands out before it comes round again (the
     # ranks' streams and the side streams must stay distinct queues on every call).
     for call in range(12):
-        out = run_emulated_ranks(rank_step, world)
+        out = [[t.cpu() for t in rank_out] for rank_out in run_emulated_ranks(rank_step, world)]
         for rank in range(world):
             x_r, idx_r, w_r, y, sent, slot_rank, received, arrivals, epoch = out[rank]
             exp_x, exp_idx, exp_w = _expected_rows(rank, world, xs, idxs, ws, cap, H)

@@ -103,15 +103,19 @@ def test_exchange_pieces_deliver_the_all_to_all_layout(shapes):
                                      hidden=H)
     buffers = emulated_ep_buffers(world, cap, H, K, torch.bfloat16, "cuda")
 
+    # Copies between host and device outside the ranks' threads (run_emulated_ranks says why).
+    inputs = [(x.cuda(), i.cuda(), w.cuda()) for x, i, w in zip(xs, idxs, ws)]
+
     def rank_step(rank):
         ex = buffers[rank].exchange(e_loc)
-        x_r, idx_r, w_r, handle = ex.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda())
+        x, i, w = inputs[rank]
+        x_r, idx_r, w_r, handle = ex.dispatch(x, i, w)
         y = ex.combine(x_r, handle)
-        dy_r = ex.combine_backward(xs[rank].cuda(), handle)
+        dy_r = ex.combine_backward(x, handle)
         dx, d_topk = ex.dispatch_backward(x_r, w_r, handle)
-        return [t.cpu() for t in (x_r, idx_r, w_r, y, dy_r, dx, d_topk, handle[0], handle[1], handle[2])]
+        return [x_r, idx_r, w_r, y, dy_r, dx, d_topk, handle[0], handle[1], handle[2]]
 
-    out = run_emulated_ranks(rank_step, world)
+    out = [[t.cpu() for t in rank_out] for rank_out in run_emulated_ranks(rank_step, world)]
     # Every rank's view, with the expected rows built by the shared loop helper.
     for rank in range(world):
         x_r, idx_r, w_r, y, dy_r, dx, d_topk, sent, slot_rank, received = out[rank]

@@ -113,8 +113,15 @@ def _preload_kernels() -> None:
 
 def run_emulated_ranks(fn, world_size: int) -> list:
     """``[fn(0), ..., fn(W - 1)]``, each call on its own host thread and its own CUDA stream (of
-    the current device, :func:`rank_streams`: the same W streams on every call); joins them, re-raises the first exception (by rank), and synchronizes the
-    device before returning."""
+    the current device, :func:`rank_streams`: the same W streams on every call); joins them,
+    re-raises the first exception (by rank), and synchronizes the device before returning.
+
+    ``fn`` should only enqueue work: a host wait on the device inside it (``.cpu()``, ``.item()``,
+    a copy from or to pageable host memory, a synchronize) blocks that rank's thread until its
+    stream has passed kernels that wait for the other ranks, while those may still have launches
+    to make; whatever the waiting thread holds meanwhile (pageable copies go through the driver's
+    shared staging buffers) can hold those launches back until the waits time out. Copy inputs to
+    the device before ``run_emulated_ranks`` and results to the host after it."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive int")
     # DGE_EP_OVERLAP adds a side stream per rank (the overlapped dispatch's row pull).
