@@ -3,12 +3,18 @@
 - :func:`hf_loop_moe`: Hugging Face transformers style, a Python loop over experts.
 - :func:`grouped_mm_moe`: torchtitan style, tokens sorted by expert, padded groups, two
   ``torch._grouped_mm`` calls (on SM90+ bf16; a loop over experts elsewhere), autograd backward.
+- :func:`ep_grouped_mm_moe`: torchtitan's expert parallelism around :func:`grouped_mm_moe`: the
+  tokens-per-expert counts exchanged by one all-to-all (a host sync for the splits), every routed
+  slot's row sent to its expert's rank by ``all_to_all_single`` with those splits, the local
+  experts' grouped GEMMs on the received rows, the results sent back the same way, scores applied
+  and summed at the source; autograd through both all-to-alls.
 - :func:`liger_fused_moe`: Liger-Kernel's ``LigerFusedMoEFunction`` (Triton kernels and its own
   backward) when ``liger_kernel`` is installed.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .reference import swiglu
 from .routing import compute_routing_torch
@@ -84,6 +90,66 @@ def grouped_mm_moe(x, topk_idx, topk_weights, l1_weights, l2_weights, activation
     acc = torch.promote_types(x.dtype, torch.float32)
     routed_output = (unpermuted.to(acc) * scores_sorted.reshape(-1, 1).to(acc)).to(x.dtype)
     return torch.zeros_like(x).scatter_add(0, token_sorted, routed_output)
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = rows.new_empty(sum(output_splits), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        back = grad.new_empty(sum(input_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def ep_grouped_mm_moe(x, topk_idx, topk_weights, l1_local, l2_local, group, activation_clamp=None,
+                      local_fn=None):
+    """torchtitan-style expert parallelism over ``group`` (W ranks; rank r owns the global experts
+    ``[r * E_loc, (r + 1) * E_loc)``, ``l1_local`` / ``l2_local`` are those, ``topk_idx`` holds global
+    ids, -1 for an unused slot), on our contract: y for this rank's tokens, differentiable w.r.t. x,
+    topk_weights and the local weights.
+
+    Dispatch: the slots sorted by expert (stable), the per-expert counts exchanged by an equal-split
+    ``all_to_all_single`` and brought to the host (the splits), each routed slot's row of x gathered
+    and sent to its expert's rank. The received rows come grouped by source rank, then local expert;
+    ``local_fn`` (default :func:`grouped_mm_moe`; pass a compiled one to compile the local part) runs
+    them with one slot each, score 1. Combine: the rows go back by the reverse exchange, are scaled
+    by their scores in fp32 (``score_before_experts=False``) and ``scatter_add``-ed into y."""
+    if local_fn is None:
+        local_fn = grouped_mm_moe
+    world = group.size()
+    num_local, _, hidden = l1_local.shape
+    num_experts = world * num_local
+    num_tokens, top_k = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    keys = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = torch.argsort(keys, stable=True)
+    per_expert = torch.bincount(keys, minlength=num_experts + 1)[:num_experts]
+    received_per_expert = torch.empty_like(per_expert)
+    dist.all_to_all_single(received_per_expert, per_expert, group=group)  # [source, local expert]
+    received_per_expert = received_per_expert.view(world, num_local)
+    splits = torch.stack([per_expert.view(world, num_local).sum(1), received_per_expert.sum(1)]).tolist()
+    input_splits, output_splits = splits
+    routed = order[:sum(input_splits)]
+    token = routed // top_k
+    received = _AllToAllSingle.apply(x[token], output_splits, input_splits, group)
+    local_ids = torch.repeat_interleave(torch.arange(num_local, device=x.device).repeat(world),
+                                        received_per_expert.reshape(-1))
+    ones = torch.ones(received.shape[0], 1, dtype=torch.float32, device=x.device)
+    out = local_fn(received, local_ids[:, None], ones, l1_local, l2_local, activation_clamp)
+    back = _AllToAllSingle.apply(out, input_splits, output_splits, group)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    scores = topk_weights.reshape(-1)[routed]
+    contrib = (back.to(acc) * scores[:, None].to(acc)).to(x.dtype)
+    return torch.zeros_like(x).scatter_add(0, token[:, None].expand(-1, hidden), contrib)
 
 
 def liger_unavailable_reason() -> str | None:

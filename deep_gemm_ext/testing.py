@@ -119,3 +119,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # Expert parallelism with W ranks emulated on one GPU (the symmetric-memory exchange's test harness).
 from .comm.emulated import EmulatedGroup, emulated_ep_buffers, run_emulated_ranks  # noqa: E402,F401
+
+#: Environment for processes that run expert parallelism over several GPUs: NVLink multicast off in
+#: NCCL (NVLS), torch symmetric memory (which would otherwise map a multicast object for a buffer
+#: where the driver offers one) and NVSHMEM. The exchange never uses multicast; set these explicitly
+#: (before CUDA and NCCL start) wherever a multi-GPU test or benchmark starts its processes.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -39,7 +39,7 @@ TIMEOUT = timedelta(seconds=60)  # a hang in a collective fails the test instead
 
 SCENARIOS = {
     2: ["exchange_pieces", "layer_matches_reference", "default_buffer_and_mesh", "api_bad_inputs",
-        "bad_inputs", "module_and_compile", "fp8_recipe", "fp8_dispatch"],
+        "bad_inputs", "module_and_compile", "fp8_recipe", "fp8_dispatch", "titan_baseline"],
     3: ["exchange_pieces", "layer_matches_reference", "fp8_dispatch"],
     4: ["layer_matches_reference", "default_buffer_and_mesh"],
 }
@@ -565,6 +565,29 @@ def fp8_dispatch(rank, world, device, seed):
         assert all(torch.equal(a, b) for a, b in zip(plain_out[3], handle))
 
 
+def titan_baseline(rank, world, device, seed):
+    """baselines.ep_grouped_mm_moe (torchtitan-style EP, scripts/bench_ep_multi.py's baseline): y and
+    every gradient against the fp64 reference, zero tokens on one rank and unused slots included."""
+    from deep_gemm_ext.baselines import ep_grouped_mm_moe
+
+    for case, routing in enumerate(("unused_slots", "skewed")):
+        counts = _counts("zero_on_one_rank", world)
+        inputs = global_inputs(seed + case, world, counts, routing, torch.float64, device)
+        xs, idxs, ws, l1, l2, dys = inputs
+        mine = slice(rank * E_LOC, (rank + 1) * E_LOC)
+        leaves = [t.clone().requires_grad_(True) for t in (xs[rank], ws[rank], l1[mine], l2[mine])]
+        y = ep_grouped_mm_moe(leaves[0], idxs[rank], leaves[1], leaves[2], leaves[3], dist.group.WORLD)
+        got = (y.detach(), *torch.autograd.grad(y, leaves, dys[rank], allow_unused=True))
+        ref = reference_grads(*inputs, None)
+        for name, out, want in zip(("y", "dx", "d_topk_weights", "d_l1", "d_l2"), got,
+                                   (ref[0][rank], ref[1][rank], ref[2][rank], ref[3][mine], ref[4][mine])):
+            if out is None:
+                out = torch.zeros_like(want)
+            assert out.shape == want.shape, (name, out.shape, want.shape)
+            if want.numel():
+                assert rel_err(out, want) <= 1e-10, f"rank {rank} {routing}: {name} rel err {rel_err(out, want):.3g}"
+
+
 def gpu_kernels_and_cuda_graph(rank, world, device, seed):
     """On GPUs (nccl): shapes our SM90 kernels take (H, 2I multiples of 128) against fp64, then
     forward + backward captured in one CUDA graph and replayed with new inputs and routing,
@@ -658,6 +681,10 @@ def test_module_and_compile():
 
 def test_fp8_recipe():
     run_scenario(2, "fp8_recipe")
+
+
+def test_torchtitan_style_ep_baseline():
+    run_scenario(2, "titan_baseline")
 
 
 @pytest.mark.parametrize("world", [2, 3])

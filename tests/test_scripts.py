@@ -234,3 +234,28 @@ def test_profile_old_command_line_means_kernels():
     if torch.cuda.is_available():
         pytest.skip("runs the profile on a GPU")
     assert profile_layer.main(["--impl", "ours"]) == 2  # parsed as `kernels --impl ours`, then no GPU
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_ep_multi.py
+
+
+def test_bench_ep_multi_dry_run_with_torchrun(tmp_path):
+    """Two gloo ranks on the CPU through torchrun: the torchtitan-style EP baseline passes its check
+    against our layer's y and is timed, ours over the all-to-all (bf16 and fp8) and the stubbed
+    local layer are timed, the symmetric rows say why they are not, and both tables appear."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPTS / "bench_ep_multi.py"), "--dry-run", "--reps", "3", "--warmup", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = proc.stdout
+    assert "| workload | row | ms | TFLOP/s per GPU | x torchtitan eager | x torchtitan compiled |" in out
+    rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| tiny (dry run) |")}
+    for label in ("torchtitan way (all_to_all_single + grouped_mm), eager", "ours, all-to-all (EpBuffer), bf16",
+                  "ours, all-to-all (EpBuffer), fp8", "exchange pieces alone (all_to_all, bf16 rows)"):
+        assert label in rows and "not measured" not in rows[label], (label, out)
+    assert rows["torchtitan way (all_to_all_single + grouped_mm), eager"].split(" | ")[4] == "1.00x"
+    assert any(k.startswith("local layer, exchange stubbed") and "not measured" not in v for k, v in rows.items())
+    assert "not measured: needs CUDA GPUs" in rows["ours, symmetric (SymmetricEpBuffer), bf16"]
+    assert "| workload | row | t_ep ms | t_stub ms | t_comm_alone ms | fraction hidden |" in out
+    assert "TORCH_SYMM_MEM_DISABLE_MULTICAST': '1'" in out
