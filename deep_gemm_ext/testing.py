@@ -1,6 +1,8 @@
 """Inputs and error measures shared by the tests and the benchmarks (one generator for both)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 from dataclasses import dataclass
 
@@ -83,6 +85,22 @@ def make_inputs(num_tokens: int, hidden: int, intermediate: int, num_experts: in
 
 
 _L2_FLUSH: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def environ(values: dict):
+    """``values`` set in ``os.environ`` within, the previous values (or their absence) restored
+    after: the package's knobs are read at call time, and spawned processes copy the environment."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False) -> float:

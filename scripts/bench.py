@@ -18,10 +18,8 @@ and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,28 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import _env  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe, liger_inputs, liger_unavailable_reason  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, Workload, make_inputs, median_ms, rel_err  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, Workload, environ, make_inputs, median_ms, rel_err  # noqa: E402
 
 
 def _ours(backend="auto", recipe="bf16"):
     def run(x, idx, w, l1, l2):
         return dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe, backend=backend)
     return run
-
-
-@contextlib.contextmanager
-def _environ(env):
-    """Set env vars for a whole forward+backward measurement (the knobs are read at call time)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def _variant_env(backend: str) -> dict[str, str]:
@@ -320,7 +303,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
         impl_name, backend, recipe = key
         record = dict(workload=wl.name, impl=impl_name, backend=backend, recipe=recipe, **meta)
         try:
-            with _environ(_variant_env(backend)):
+            with environ(_variant_env(backend)):
                 if key not in checked:  # once per implementation, before its first timing
                     checked[key] = check_errors(impl, device, check)
                 errors = checked[key]

@@ -42,7 +42,6 @@ Run on a machine with W GPUs (skipped with a reason where there are fewer):
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -58,7 +57,7 @@ import torch.multiprocessing as mp
 
 import deep_gemm_ext as dge
 from deep_gemm_ext import _env
-from deep_gemm_ext.testing import NVLINK_MULTICAST_OFF, rel_err
+from deep_gemm_ext.testing import NVLINK_MULTICAST_OFF, environ, rel_err
 
 from conftest import requires_hopper
 import test_ep_all_to_all as a2a
@@ -313,21 +312,6 @@ def _worker(rank, world, store_path, out_dir, seed):
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _environ(values: dict):
-    """``values`` in os.environ while the workers are spawned (they copy it), restored after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def worker_env(overlap: bool) -> dict:
     """The workers' environment: multicast off (explicitly), a short symmetric wait bound, the overlap flag."""
     return {**NVLINK_MULTICAST_OFF, "DGE_EP_TIMEOUT_S": EP_TIMEOUT_S, "DGE_EP_OVERLAP": "1" if overlap else "0"}
@@ -338,7 +322,7 @@ def run_group(world: int, env: dict, deadline_s: float = GROUP_DEADLINE_S) -> tu
     with the processes themselves: a deadline, a crash; '' when they ended normally)."""
     seed = random.randrange(2**31)
     with tempfile.TemporaryDirectory() as tmp:
-        with _environ(env):
+        with environ(env):
             ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, seed), nprocs=world,
                                      join=False, start_method="spawn")
         start, problem = time.monotonic(), ""
