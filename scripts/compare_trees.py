@@ -24,8 +24,10 @@ old tree needs only its package. Git is not used: a tree is any directory holdin
     python scripts/compare_trees.py /tmp/old-tree . --time-only --time-rounds 3   # speed only, same run
 
 ``--time-only``: no outputs compared; each tree's default layer (``mega_moe_train``, fwd+bwd, bf16) is
-timed on the headline shapes, the trees alternating per round (median of CUDA-event timings per
-round, inputs from the tree's ``make_inputs`` with the same seed), and the table gives b / a.
+timed on the headline shapes, the trees in turn (a first in odd rounds, b first in even ones; median of
+CUDA-event timings per round, inputs from the tree's ``make_inputs`` with the same seed), and the table
+gives b / a. Each timed step starts on an idle GPU (a synchronize ends the one before), so the host's
+time before the first kernel is part of it, as in scripts/bench.py.
 
 Comparing a tree with itself checks that the layer is deterministic run to run.
 """
@@ -261,11 +263,13 @@ print(f"ms {statistics.median(times):.4f}")
 
 
 def run_timing(trees: dict, caches: dict, rounds: int, reps: int) -> str:
-    """The default layer's fwd+bwd median per tree and headline shape, trees alternating per round."""
+    """The default layer's fwd+bwd median per tree and headline shape; the trees run in turn, a first in
+    odd rounds and b first in even ones (so that neither always runs second, e.g. on a warmer GPU)."""
     results = {}
     for r in range(rounds):
+        order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
         for name, shape in HEADLINE["cuda"].items():
-            for label, tree in trees.items():
+            for label, tree in order:
                 proc = subprocess.run([sys.executable, "-c", _TIME_CHILD, name, *map(str, shape), str(reps)],
                                       env=_tree_env(tree, caches[label], label), capture_output=True, text=True)
                 line = [ln for ln in proc.stdout.splitlines() if ln.startswith("ms ")]
