@@ -66,7 +66,7 @@ import torch.distributed as dist  # noqa: E402
 
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import baselines, comm  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms, rel_err  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, environ, make_routing, median_ms, rel_err  # noqa: E402
 
 TITAN, TITAN_COMPILED = "torchtitan way (all_to_all_single + grouped_mm), eager", \
     "torchtitan way, local part torch.compile'd"
@@ -203,11 +203,8 @@ class Rows:
         group, buffer = self.ctx.group, self.buffer(transport)
 
         def fn(x, idx, w, l1, l2):
-            os.environ["DGE_EP_OVERLAP"] = "1" if overlap else "0"  # read per call (deep_gemm_ext._env)
-            try:
+            with environ({"DGE_EP_OVERLAP": "1" if overlap else "0"}):  # read per call (deep_gemm_ext._env)
                 return dge.mega_moe_train(x, idx, w, l1, l2, group=group, ep_buffer=buffer, recipe=recipe)
-            finally:
-                os.environ.pop("DGE_EP_OVERLAP", None)
         return fn
 
     def titan(self, compiled):
