@@ -24,8 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import deep_gemm_ext as dge  # noqa: E402
-from deep_gemm_ext.comm.emulated import emulated_ep_buffers, run_emulated_ranks  # noqa: E402
-from deep_gemm_ext.jit.driver import new_stream  # noqa: E402
+from deep_gemm_ext.comm.emulated import emulated_ep_buffers, rank_streams, run_emulated_ranks  # noqa: E402
 from deep_gemm_ext.testing import rel_err  # noqa: E402
 
 from conftest import requires_eager_loading, requires_hopper  # noqa: E402
@@ -172,7 +171,7 @@ def test_cuda_graph_captures_an_emulated_step(overlap, shapes, monkeypatch):
         mine = slice(rank * e_loc, (rank + 1) * e_loc)
         leaves = [t.clone().requires_grad_(True) for t in (xs[rank], ws[rank], l1[mine], l2[mine])]
         static.append((leaves, idxs[rank].clone(), dys[rank].clone()))
-    streams = [new_stream(0) for _ in range(world)]  # not pooled: distinct from the side streams
+    streams = rank_streams(world)  # the ranks' own (driver-made, distinct from the side streams)
     graphs, outputs = [], []
     for rank in range(world):
         # Capturing launches nothing, so the ranks capture one after another on this thread.

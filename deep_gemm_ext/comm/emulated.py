@@ -90,6 +90,7 @@ def emulated_ep_buffers(world_size: int, max_tokens_per_rank: int, hidden: int, 
 
 _PRELOADED: set[int] = set()
 _RANK_STREAMS: dict[int, list] = {}
+_SIDE_STREAMS: dict[int, list] = {}
 
 
 def rank_streams(world_size: int, device: int | None = None) -> list:
@@ -98,6 +99,18 @@ def rank_streams(world_size: int, device: int | None = None) -> list:
     kernels, or a rank and a buffer's side stream, into one queue), the same on every call."""
     device = torch.cuda.current_device() if device is None else device
     streams = _RANK_STREAMS.setdefault(device, [])
+    while len(streams) < world_size:
+        streams.append(new_stream(device))
+    return streams[:world_size]
+
+
+def side_streams(world_size: int, device: int | None = None) -> list:
+    """The overlapped dispatch's side streams of emulated ranks 0..W-1 on ``device``, shared by
+    every emulated buffer of that rank (created once, on the calling thread, as rank_streams): a
+    stream per buffer would grow the process's streams past CUDA_DEVICE_MAX_CONNECTIONS over
+    many buffers, and streams past it share hardware queues with live ones."""
+    device = torch.cuda.current_device() if device is None else device
+    streams = _SIDE_STREAMS.setdefault(device, [])
     while len(streams) < world_size:
         streams.append(new_stream(device))
     return streams[:world_size]
@@ -180,4 +193,5 @@ def run_emulated_ranks(fn, world_size: int) -> list:
     return results
 
 
-__all__ = ["EmulatedGroup", "EmulatedWorld", "emulated_ep_buffers", "rank_streams", "run_emulated_ranks"]
+__all__ = ["EmulatedGroup", "EmulatedWorld", "emulated_ep_buffers", "rank_streams", "run_emulated_ranks",
+           "side_streams"]

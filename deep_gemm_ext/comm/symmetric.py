@@ -209,13 +209,20 @@ class SymmetricEpBuffer:
             from .. import jit
 
             blocks = -(-jit.num_sms(device) // (2 * world_size))
+        from .emulated import side_streams
+
         world = EmulatedWorld(world_size)
+        # Made here, on the calling thread, not lazily inside the ranks' threads: the side streams
+        # (one per rank for all emulated buffers, a bounded count of streams) and the pinned report.
+        sides = side_streams(world_size, device.index)
+        overlap_report_tensor()
         buffers = []
         for rank in range(world_size):
             buffer = cls.__new__(cls)
             buffer._setup(EmulatedGroup(world, rank), rank, max_tokens_per_rank, hidden, top_k, dtype, layout,
                           storage, peers, blocks)
             buffer._handle = None
+            buffer._side_stream = sides[rank]
             buffers.append(buffer)
         return buffers
 
