@@ -385,34 +385,22 @@ WORLD_PARAMS = [pytest.param(w, marks=_gpus(w), id=f"W{w}") for w in WORLDS]
 OVERLAP_PARAMS = [pytest.param(False, id="plain"), pytest.param(True, id="overlap")]
 
 
+#: The scenarios each group of worker processes runs, by test id: both transports against fp64, the
+#: symmetric one bit for bit the all-to-all (bf16, fp8), a CUDA-graph-captured symmetric step.
+CHECKS = {
+    "all_to_all_matches_fp64_reference": "a2a_vs_reference",
+    "symmetric_matches_fp64_reference": "symmetric_vs_reference",
+    "symmetric_bit_for_bit_the_all_to_all": "symmetric_equals_a2a",
+    "fp8_symmetric_bit_for_bit_the_all_to_all": "fp8_symmetric_equals_a2a",
+    "symmetric_cuda_graph_step_equals_eager": "symmetric_cuda_graph",
+}
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("overlap", OVERLAP_PARAMS)
 @pytest.mark.parametrize("world", WORLD_PARAMS)
-def test_all_to_all_matches_fp64_reference(world, overlap):
-    check_scenario(world, overlap, "a2a_vs_reference")
-
-
-@pytest.mark.parametrize("overlap", OVERLAP_PARAMS)
-@pytest.mark.parametrize("world", WORLD_PARAMS)
-def test_symmetric_matches_fp64_reference(world, overlap):
-    check_scenario(world, overlap, "symmetric_vs_reference")
-
-
-@pytest.mark.parametrize("overlap", OVERLAP_PARAMS)
-@pytest.mark.parametrize("world", WORLD_PARAMS)
-def test_symmetric_bit_for_bit_the_all_to_all(world, overlap):
-    check_scenario(world, overlap, "symmetric_equals_a2a")
-
-
-@pytest.mark.parametrize("overlap", OVERLAP_PARAMS)
-@pytest.mark.parametrize("world", WORLD_PARAMS)
-def test_fp8_symmetric_bit_for_bit_the_all_to_all(world, overlap):
-    check_scenario(world, overlap, "fp8_symmetric_equals_a2a")
-
-
-@pytest.mark.parametrize("overlap", OVERLAP_PARAMS)
-@pytest.mark.parametrize("world", WORLD_PARAMS)
-def test_symmetric_cuda_graph_step_equals_eager(world, overlap):
-    check_scenario(world, overlap, "symmetric_cuda_graph")
+def test_real_ranks(world, overlap, check):
+    check_scenario(world, overlap, CHECKS[check])
 
 
 def test_worker_environment_keeps_multicast_off():
