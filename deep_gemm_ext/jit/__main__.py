@@ -17,7 +17,6 @@ from .registry import Config, import_kernel_modules, registered_configs
 from .runtime import SMEM_SYMBOL
 
 
-
 def _build_one(config: Config, arch: str):
     try:
         return compile_cached(config.name, config.code, arch, want_ptx=config.is_gemm), None
