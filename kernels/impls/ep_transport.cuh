@@ -252,15 +252,18 @@ __device__ __forceinline__ bool ep_row_routing(long long base, const EpLayout& l
     return any_mine;
 }
 
-template <int kWeightBytes>
-__global__ void __launch_bounds__(kEpThreads)
-ep_pull_dispatch_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int world, int rank, int capacity,
-                        int top_k, int num_local_experts, u32 row_bytes, u32 row_pitch, void* __restrict__ x_r,
-                        int* __restrict__ idx_r, void* __restrict__ w_r, void* __restrict__ received,
-                        unsigned long long timeout_ns) {
+// Every received row's routing (ids and weights of this rank's experts, the received mask) and,
+// with kCopyRows, the row itself (zeros where none of this rank's experts takes it), after every
+// source's ready flag; returns the awaited epoch. The dispatch pull copies the rows, the
+// overlapped dispatch's metadata pull does not (ep_pull_rows_arrive_kernel copies them).
+template <int kWeightBytes, bool kCopyRows>
+__device__ __forceinline__ u64 ep_pull_routed_rows(const long long* __restrict__ peers, const EpLayout& layout,
+                                                   int world, int rank, int capacity, int top_k,
+                                                   int num_local_experts, u32 row_bytes, u32 row_pitch,
+                                                   void* __restrict__ x_r, int* __restrict__ idx_r,
+                                                   void* __restrict__ w_r, void* __restrict__ received,
+                                                   unsigned long long timeout_ns) {
     using Weight = typename EpWord<kWeightBytes>::type;
-    grid_dependency_wait();
-    const EpLayout layout = DGE_EP_LAYOUT;
     const long long mine = peers[rank];
     const u64 epoch = *ep_epoch(mine, layout, world);
     ep_cta_wait_all(ep_ready(mine, layout), world, epoch, timeout_ns, rank, 1);
@@ -277,17 +280,33 @@ ep_pull_dispatch_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAM
         const bool present = token < *ep_at<volatile int>(base, layout.count);
         const bool any_mine = ep_row_routing<Weight>(base, layout, present, token, top_k, first, num_local_experts,
                                                     row, idx_r, w_r, lane);
-        char* dst = static_cast<char*>(x_r) + row * row_bytes;
-        if (any_mine) {
-            const uint4* s = ep_at<const uint4>(base, layout.rows + static_cast<u64>(token) * row_pitch);
-            for (int v = lane; v < vecs; v += kWarpSize)
-                store_v4(reinterpret_cast<uint4*>(dst) + v, ep_load_v4(s + v));
-        } else {
-            ep_zero_row(dst, vecs);
+        if constexpr (kCopyRows) {
+            char* dst = static_cast<char*>(x_r) + row * row_bytes;
+            if (any_mine) {
+                const uint4* s = ep_at<const uint4>(base, layout.rows + static_cast<u64>(token) * row_pitch);
+                for (int v = lane; v < vecs; v += kWarpSize)
+                    store_v4(reinterpret_cast<uint4*>(dst) + v, ep_load_v4(s + v));
+            } else {
+                ep_zero_row(dst, vecs);
+            }
         }
         if (lane == 0)
             static_cast<unsigned char*>(received)[row] = any_mine ? 1 : 0;
     }
+    return epoch;
+}
+
+template <int kWeightBytes>
+__global__ void __launch_bounds__(kEpThreads)
+ep_pull_dispatch_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int world, int rank, int capacity,
+                        int top_k, int num_local_experts, u32 row_bytes, u32 row_pitch, void* __restrict__ x_r,
+                        int* __restrict__ idx_r, void* __restrict__ w_r, void* __restrict__ received,
+                        unsigned long long timeout_ns) {
+    grid_dependency_wait();
+    const EpLayout layout = DGE_EP_LAYOUT;
+    const u64 epoch = ep_pull_routed_rows<kWeightBytes, true>(peers, layout, world, rank, capacity, top_k,
+                                                              num_local_experts, row_bytes, row_pitch, x_r, idx_r,
+                                                              w_r, received, timeout_ns);
     ep_cta_finish(peers, layout, world, rank, false, epoch, false);
 }
 
@@ -350,27 +369,10 @@ __global__ void __launch_bounds__(kEpThreads)
 ep_pull_meta_kernel(const long long* __restrict__ peers, DGE_EP_LAYOUT_PARAMS, int world, int rank, int capacity,
                     int top_k, int num_local_experts, int* __restrict__ idx_r, void* __restrict__ w_r,
                     void* __restrict__ received, unsigned long long timeout_ns) {
-    using Weight = typename EpWord<kWeightBytes>::type;
     grid_dependency_wait();
     const EpLayout layout = DGE_EP_LAYOUT;
-    const long long mine = peers[rank];
-    const u64 epoch = *ep_epoch(mine, layout, world);
-    ep_cta_wait_all(ep_ready(mine, layout), world, epoch, timeout_ns, rank, 1);
-
-    const int lane = lane_id();
-    const int first = rank * num_local_experts;
-    const i64 num_rows = static_cast<i64>(world) * capacity;
-    const i64 num_warps = static_cast<i64>(gridDim.x) * kEpWarps;
-    for (i64 row = static_cast<i64>(blockIdx.x) * kEpWarps + warp_id(); row < num_rows; row += num_warps) {
-        const int src = static_cast<int>(row / capacity);
-        const int token = static_cast<int>(row % capacity);
-        const long long base = peers[src];
-        const bool present = token < *ep_at<volatile int>(base, layout.count);
-        const bool any_mine = ep_row_routing<Weight>(base, layout, present, token, top_k, first, num_local_experts,
-                                                    row, idx_r, w_r, lane);
-        if (lane == 0)
-            static_cast<unsigned char*>(received)[row] = any_mine ? 1 : 0;
-    }
+    ep_pull_routed_rows<kWeightBytes, false>(peers, layout, world, rank, capacity, top_k, num_local_experts, 0, 0,
+                                             nullptr, idx_r, w_r, received, timeout_ns);
 }
 
 template <int kThreads>
