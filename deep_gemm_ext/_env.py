@@ -138,6 +138,14 @@ def fp8_wgrad() -> str | None:
     return value
 
 
+def eager_custom_op() -> bool:
+    """DGE_EAGER_CUSTOM_OP: 1 routes eager calls of the layer through its ``torch.library`` custom
+    ops, as under torch.compile. Default off: eager calls with plain tensors (no tensor subclass, no
+    dispatch or function mode, no functorch transform) run the same forward and backward through a
+    ``torch.autograd.Function``, which skips the dispatcher's per-call work; same results bit for bit."""
+    return _flag("DGE_EAGER_CUSTOM_OP", default=False)
+
+
 def check_ids() -> bool | None:
     """DGE_CHECK_IDS: 1 checks topk_idx's range on the host (one sync per forward on a GPU), 0 never
     does; unset (the default) checks on the host for CPU tensors only, and leaves GPU tensors to a

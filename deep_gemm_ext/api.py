@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops  # noqa: F401  (registers the custom ops)
+from . import ops
 from . import plan
 from .validation import validate_inputs
 
@@ -40,5 +40,4 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     clamp = None if activation_clamp is None else float(activation_clamp)
     exchange = plan.resolve_exchange(x, topk_idx, l1_weights, group, ep_buffer, recipe)
     encoded = plan.resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, exchange=exchange)
-    return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights, clamp,
-                                                encoded)[0]
+    return ops.call(x, topk_idx, topk_weights, l1_weights, l2_weights, clamp, encoded)

@@ -6,14 +6,19 @@ the pool or nothing where the L1 GEMM gathers x, h, the routing metadata, the ex
 call's plan as a string (deep_gemm_ext.plan), so adding a saved tensor or a plan field changes no
 schema. Both are opaque to ``torch.compile`` (one node each) and free of host syncs on the GPU path
 (but the optional id check), so they can be captured in CUDA graphs.
+
+:func:`call` (what ``mega_moe_train`` runs) takes the ops where the dispatcher is needed
+(torch.compile, dispatch and function modes, functorch, tensor subclasses, DGE_EAGER_CUSTOM_OP=1) and
+otherwise the same forward and backward through a ``torch.autograd.Function``.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from . import layer
+from . import _env, layer
 from .plan import Plan
 from .validation import check_alignment, check_expert_ids
 
@@ -31,11 +36,15 @@ def mega_moe_fwd(
     plan: str,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     p = Plan.decode(plan)
+    y, saved = _forward(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
+    return y, layer.produced_of(p, saved)
+
+
+def _forward(p: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
     check_alignment(x=x, topk_idx=topk_idx, topk_weights=topk_weights, l1_weights=l1_weights,
                     l2_weights=l2_weights)
     check_expert_ids(topk_idx, p.tokens.num_experts(l1_weights.shape[0]), host_check=p.check_ids)
-    y, saved = layer.forward(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
-    return y, layer.produced_of(p, saved)
+    return layer.forward(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
 
 
 @mega_moe_fwd.register_fake
@@ -82,3 +91,50 @@ def _backward(ctx, dy, *unused_grads):
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerMegaMoE(torch.autograd.Function):
+    """The custom ops' forward and backward without the dispatcher: what :func:`call` runs for an
+    eager call with plain tensors. The custom-op layers (argument schema, the alias check over
+    every produced tensor, the autograd wrapper around both ops) are host work per call that a
+    host-bound step (a short layer, few tokens) pays in full; the layer's work is the same
+    function calls on the same tensors, so the results are the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan):
+        y, saved = _forward(Plan.decode(plan), x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
+        ctx.set_materialize_grads(False)  # as the custom op: no zero-filled gradients for unused outputs
+        ctx.activation_clamp = activation_clamp
+        ctx.plan = plan
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 7
+        dx, d_topk, d_l1, d_l2 = layer.backward(Plan.decode(ctx.plan), dy.contiguous(), list(ctx.saved_tensors),
+                                                 ctx.activation_clamp)
+        return dx, None, d_topk, d_l1, d_l2, None, None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _dispatcher_needed(tensors) -> bool:
+    """Whether a call must go through the custom ops: under torch.compile, inside a torch dispatch or
+    function mode (fake tensors, FlopCounterMode, ...), under a functorch transform, with a tensor
+    subclass, or when DGE_EAGER_CUSTOM_OP=1 asks for it."""
+    return (torch.compiler.is_compiling() or _env.eager_custom_op() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
+            or any(type(t) not in _PLAIN for t in tensors))
+
+
+def call(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan: str) -> torch.Tensor:
+    """y of the layer: through ``deep_gemm_ext::mega_moe_fwd`` where the dispatcher is needed (see
+    :func:`_dispatcher_needed`), else through :class:`_EagerMegaMoE`."""
+    if _dispatcher_needed((x, topk_idx, topk_weights, l1_weights, l2_weights)):
+        return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights,
+                                                    activation_clamp, plan)[0]
+    return _EagerMegaMoE.apply(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan)

@@ -49,6 +49,12 @@ DEVICE_CATEGORIES = {"kernel": "", "gpu_memcpy": "[memcpy] ", "gpu_memset": "[me
 # kernels
 
 
+def _check_ids_label() -> str:
+    """DGE_CHECK_IDS as the layer reads it: 1, 0, or unset (the default: a device-side check on GPUs)."""
+    flag = _env.check_ids()
+    return "unset" if flag is None else str(int(flag))
+
+
 def device_activities(trace: dict) -> list[dict]:
     """(name, stream, start us, duration us) of every kernel, memcpy and memset in a chrome trace."""
     acts = []
@@ -140,7 +146,7 @@ def cmd_kernels(args) -> int:
         if args.trace:
             Path(args.trace).write_text(path.read_text())
     s = summarize(device_activities(trace))
-    print_kernel_report(f"{args.impl} on {args.workload} (DGE_CHECK_IDS={int(_env.check_ids())}): "
+    print_kernel_report(f"{args.impl} on {args.workload} (DGE_CHECK_IDS={_check_ids_label()}): "
                         f"one forward+backward", s, args.rows)
     return 0
 

@@ -275,6 +275,33 @@ def test_tensor_map_by_value():
         assert torch.equal(out, ref)
 
 
+
+
+def test_tensor_maps_are_encoded_once_per_key(monkeypatch):
+    """make_tma_2d reuses an encoding for the same address, dtype, view, box and swizzle (the bytes
+    a fresh encoding gives), and encodes anew when any of them differs."""
+    from deep_gemm_ext.jit import tma
+
+    calls = []
+    encode = tma._encode
+
+    def counting(*args):
+        calls.append(args)
+        return encode(*args)
+
+    monkeypatch.setattr(tma, "_encode", counting)
+    x = torch.randn(256, 128, device=DEVICE).bfloat16()
+    first = jit.make_tma_2d(x, 64, 64)
+    again = jit.make_tma_2d(x, 64, 64)
+    assert len(calls) == 1 and again.raw() == first.raw() and again.tensor is x
+    tma._ENCODED.clear()
+    assert jit.make_tma_2d(x, 64, 64).raw() == first.raw() and len(calls) == 2
+    other_box = jit.make_tma_2d(x, 32, 64)
+    other_rows = jit.make_tma_2d(x, 64, 64, rows=128)
+    y = torch.randn(256, 128, device=DEVICE).bfloat16()
+    other_address = jit.make_tma_2d(y, 64, 64)
+    assert len(calls) == 5
+    assert len({m.raw() for m in (first, other_box, other_rows, other_address)}) == 4
 def test_nvrtc_build_runs(tmp_path, monkeypatch):
     from deep_gemm_ext.jit import compiler
     from deep_gemm_ext.jit_kernels import swiglu

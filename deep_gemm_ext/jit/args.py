@@ -57,8 +57,11 @@ def render_types(args: tuple[KernelArg, ...]) -> str:
     return ", ".join(arg.check().ctype for arg in args)
 
 
+def _where(kernel: str, arg: KernelArg) -> str:
+    return f"{kernel}: kernel argument {arg.name!r} ({arg.ctype})"
+
+
 def _pack_one(kernel: str, arg: KernelArg, value):
-    where = f"{kernel}: kernel argument {arg.name!r} ({arg.ctype})"
     if arg.ctype in _POINTER_DTYPES:
         if value is None and arg.nullable:
             return ctypes.c_uint64(0)
@@ -68,28 +71,29 @@ def _pack_one(kernel: str, arg: KernelArg, value):
         if not isinstance(value, torch.Tensor) or value.dtype != dtype:
             got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
             want = "tensor" if dtype is None else f"{dtype} tensor"
-            raise TypeError(f"{where}: expected a {want}{' or None' if arg.nullable else ''}, got {got}")
+            raise TypeError(f"{_where(kernel, arg)}: expected a {want}{' or None' if arg.nullable else ''}, got {got}")
         return value
     if arg.ctype == "CUtensorMap":
         if not isinstance(value, TensorMap):
-            raise TypeError(f"{where}: expected a jit.TensorMap, got {type(value).__name__}")
+            raise TypeError(f"{_where(kernel, arg)}: expected a jit.TensorMap, got {type(value).__name__}")
         return value
     kind = _SCALARS.get(arg.ctype)
     if kind in _INT_RANGES:
         low, high, text = _INT_RANGES[kind]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-            raise TypeError(f"{where}: expected an int in {text}, got {value!r}")
+            raise TypeError(f"{_where(kernel, arg)}: expected an int in {text}, got {value!r}")
         return kind(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected a float, got {value!r}")
+        raise TypeError(f"{_where(kernel, arg)}: expected a float, got {value!r}")
     return ctypes.c_float(value)
 
 
 def pack_args(kernel: str, args: tuple[KernelArg, ...], **values) -> tuple:
     """The launch tuple of ``args`` from values given by name, each checked against its type."""
-    names = [arg.name for arg in args]
-    missing = [name for name in names if name not in values]
-    extra = sorted(set(values) - set(names))
-    if missing or extra:
-        raise TypeError(f"{kernel}: kernel arguments missing {missing}, unexpected {extra}; declared {names}")
+    if len(values) != len(args) or any(arg.name not in values for arg in args):
+        names = [arg.name for arg in args]
+        missing = [name for name in names if name not in values]
+        extra = sorted(set(values) - set(names))
+        if missing or extra:
+            raise TypeError(f"{kernel}: kernel arguments missing {missing}, unexpected {extra}; declared {names}")
     return tuple(_pack_one(kernel, arg, values[arg.name]) for arg in args)

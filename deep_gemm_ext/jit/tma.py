@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -9,6 +11,14 @@ from .driver import check, driver
 
 _TENSOR_MAP_BYTES = 128
 _TENSOR_MAP_ALIGN = 64
+
+#: Encoded maps by everything the encoding reads (address, dtype, shape, row stride, box, swizzle).
+#: A map holds no reference to its memory, only the address: the same key encodes the same 128
+#: bytes whatever tensor lives there now, so a layer's maps (weights, and activations the caching
+#: allocator hands back at the same addresses) are encoded once, not per launch.
+_ENCODED: OrderedDict = OrderedDict()
+_ENCODED_MAX = 1024
+_ENCODED_LOCK = threading.Lock()
 
 
 class TensorMap:
@@ -37,21 +47,25 @@ class TensorMap:
                 f"swizzle {self.swizzle})")
 
 
+_DATA_TYPES: dict = {}
+
+
 def _data_type(cuda, dtype: torch.dtype):
-    kinds = cuda.CUtensorMapDataType
-    table = {
-        torch.bfloat16: kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        torch.float16: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        torch.float32: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        torch.int32: kinds.CU_TENSOR_MAP_DATA_TYPE_INT32,
-        torch.uint8: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
-        torch.float8_e4m3fn: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
-        torch.float8_e5m2: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
-    }
-    if dtype not in table:
+    if not _DATA_TYPES:
+        kinds = cuda.CUtensorMapDataType
+        _DATA_TYPES.update({
+            torch.bfloat16: kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            torch.float16: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            torch.float32: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            torch.int32: kinds.CU_TENSOR_MAP_DATA_TYPE_INT32,
+            torch.uint8: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            torch.float8_e4m3fn: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            torch.float8_e5m2: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        })
+    if dtype not in _DATA_TYPES:
         raise TypeError(f"make_tma_2d: tensor dtype {dtype} is not supported; expected one of "
-                        f"{sorted(str(d) for d in table)}")
-    return table[dtype]
+                        f"{sorted(str(d) for d in _DATA_TYPES)}")
+    return _DATA_TYPES[dtype]
 
 
 def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: int = 128, rows: int | None = None,
@@ -94,13 +108,30 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
         raise ValueError(f"make_tma_2d: a [{rows}, {cols}] view with row stride {row_stride_elems} needs "
                          f"{needed} elements, the tensor's storage has {available}")
 
+    key = (tensor.data_ptr(), tensor.dtype, rows, cols, row_stride_elems, box_rows, box_cols, swizzle)
+    with _ENCODED_LOCK:
+        raw = _ENCODED.get(key)
+        if raw is not None:
+            _ENCODED.move_to_end(key)
+    if raw is None:
+        raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows, box_cols,
+                      swizzle)
+        with _ENCODED_LOCK:
+            _ENCODED[key] = raw
+            if len(_ENCODED) > _ENCODED_MAX:
+                _ENCODED.popitem(last=False)
+    return TensorMap(raw, tensor, rows, cols, box_rows, box_cols, swizzle)
+
+
+def _encode(cuda, data_type, address: int, rows: int, cols: int, row_stride_bytes: int, box_rows: int,
+            box_cols: int, swizzle: int) -> bytes:
     swizzles = cuda.CUtensorMapSwizzle
     swizzle_mode = {0: swizzles.CU_TENSOR_MAP_SWIZZLE_NONE, 32: swizzles.CU_TENSOR_MAP_SWIZZLE_32B,
                     64: swizzles.CU_TENSOR_MAP_SWIZZLE_64B, 128: swizzles.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle]
     tensor_map = check(cuda.cuTensorMapEncodeTiled(
-        data_type, 2, tensor.data_ptr(),
+        data_type, 2, address,
         [cuda.cuuint64_t(cols), cuda.cuuint64_t(rows)],
-        [cuda.cuuint64_t(row_stride_elems * elem)],
+        [cuda.cuuint64_t(row_stride_bytes)],
         [cuda.cuuint32_t(box_cols), cuda.cuuint32_t(box_rows)],
         [cuda.cuuint32_t(1), cuda.cuuint32_t(1)],
         cuda.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -108,5 +139,4 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
         cuda.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cuda.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     ), "cuTensorMapEncodeTiled")
-    raw = ctypes.string_at(tensor_map.getPtr(), _TENSOR_MAP_BYTES)
-    return TensorMap(raw, tensor, rows, cols, box_rows, box_cols, swizzle)
+    return ctypes.string_at(tensor_map.getPtr(), _TENSOR_MAP_BYTES)

@@ -322,7 +322,18 @@ class GemmConfig:
                 f"{jit.render_types(self.loader_args + mainloop.args + epilogue.args)}>);\n")
 
     def kernel(self) -> jit.Kernel:
-        return jit.build(self.name, self.code())
+        """The built kernel (a configuration's name and source are rendered once per process)."""
+        kernel = _CONFIG_KERNELS.get(self)
+        if kernel is None:
+            kernel = _CONFIG_KERNELS[self] = jit.build(self.name, self.code())
+        return kernel
+
+    def launch_args(self) -> tuple[KernelArg, ...]:
+        """``args``, computed once per configuration (the launch packs them every call)."""
+        args = _CONFIG_ARGS.get(self)
+        if args is None:
+            args = _CONFIG_ARGS[self] = self.args
+        return args
 
     def smem_bytes(self) -> int:
         """Dynamic smem of the launch, as the kernel source computes it (SmemLayout::kTotalBytes,
@@ -331,6 +342,11 @@ class GemmConfig:
         if smem is None:
             raise RuntimeError(f"{self.name}: the cubin exports no {jit.SMEM_SYMBOL}")
         return smem
+
+
+#: GemmConfig -> its kernel / its argument declarations (configurations are frozen and hashable).
+_CONFIG_KERNELS: dict = {}
+_CONFIG_ARGS: dict = {}
 
 
 def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False, schedule: str = "cooperative") -> None:
@@ -698,7 +714,7 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
               f"stages={config.stages} grid={grid[0]} cluster={config.cluster_n} tiles<={max_tiles} smem={smem}",
               file=sys.stderr, flush=True)
-    args = jit.pack_args(config.name, config.args, starts=starts, ends=ends, num_experts=starts.shape[0],
+    args = jit.pack_args(kernel.name, config.launch_args(), starts=starts, ends=ends, num_experts=starts.shape[0],
                          shape_m=shape_m, shape_n=shape_n, shape_k=shape_k, **gather_args, tma_a=a_map,
                          tma_b=b_map, **(mainloop_args or {}), **epi_args)
     kernel.launch(grid, (_THREADS, 1, 1), args, smem=smem, cluster=cluster)

@@ -1,0 +1,88 @@
+"""Eager calls with plain tensors run the layer through an autograd.Function, not the custom ops'
+dispatcher layers (deep_gemm_ext.ops.call): the same forward and backward functions, so y and all
+four gradients must equal the custom-op path's bit for bit; and every case that needs the
+dispatcher (a dispatch mode, DGE_EAGER_CUSTOM_OP=1, torch.compile: tests/test_compile.py) takes it.
+CPU always, CUDA (the SM90 path) when there is a GPU."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import deep_gemm_ext as dge
+from deep_gemm_ext.testing import make_inputs
+
+from conftest import requires_cuda
+
+CASES = [
+    pytest.param("cpu", torch.float32, (37, 16, 8, 5, 3), id="cpu"),
+    pytest.param("cuda", torch.bfloat16, (300, 256, 128, 16, 4), id="cuda", marks=requires_cuda),
+]
+
+
+def _run(inputs, dy, clamp):
+    x, idx, w, l1, l2 = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+    y = dge.mega_moe_train(x, idx, w, l1, l2, activation_clamp=clamp)
+    grads = torch.autograd.grad(y, (x, w, l1, l2), dy)
+    return type(y.grad_fn).__name__, (y.detach(), *grads)
+
+
+def _assert_same(a, b):
+    for name, u, v in zip(("y", "dx", "dtopk_w", "dl1", "dl2"), a, b):
+        assert torch.equal(u, v), f"{name} differs between the eager Function and the custom-op path"
+
+
+@pytest.mark.parametrize("device,dtype,shape", CASES)
+@pytest.mark.parametrize("routing,clamp,tokens", [("uniform", None, None), ("unused_slots", 0.7, None),
+                                                  ("one_expert", None, None), ("uniform", None, 0)])
+def test_eager_function_equals_custom_op(monkeypatch, device, dtype, shape, routing, clamp, tokens):
+    T, H, I, E, K = shape
+    T = T if tokens is None else tokens
+    inputs = make_inputs(T, H, I, E, K, routing=routing, device=device, dtype=dtype, seed=11)
+    dy = torch.randn(T, H, dtype=dtype, device=device)
+    fn_name, eager = _run(inputs, dy, clamp)
+    assert fn_name == "_EagerMegaMoEBackward", fn_name
+    monkeypatch.setenv("DGE_EAGER_CUSTOM_OP", "1")
+    op_name, op = _run(inputs, dy, clamp)
+    assert op_name != fn_name, op_name
+    _assert_same(eager, op)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.name()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_mode_takes_the_custom_op():
+    inputs = make_inputs(20, 16, 8, 5, 3, device="cpu", dtype=torch.float32, seed=3)
+    dy = torch.randn(20, 16)
+    plain = _run(inputs, dy, None)[1]
+    with _Count() as mode:
+        name, seen = _run(inputs, dy, None)
+    assert {"deep_gemm_ext::mega_moe_fwd", "deep_gemm_ext::mega_moe_bwd"} <= mode.ops, sorted(mode.ops)
+    assert name != "_EagerMegaMoEBackward"
+    _assert_same(plain, seen)
+
+
+def test_module_parameters_take_the_eager_function():
+    torch.manual_seed(0)
+    moe = dge.MegaMoE(5, 16, 8, 3, dtype=torch.float32)
+    x, idx, w, *_ = make_inputs(20, 16, 8, 5, 3, device="cpu", dtype=torch.float32, seed=4)
+    y = moe(x, idx, w)
+    assert type(y.grad_fn).__name__ == "_EagerMegaMoEBackward"
+
+
+@pytest.mark.parametrize("custom_op", ["0", "1"])
+def test_double_backward_raises(monkeypatch, custom_op):
+    """The backward is not differentiable: differentiating it again raises (on either path), never a
+    silently wrong second derivative; create_graph=True alone (for other parts of a graph) works."""
+    monkeypatch.setenv("DGE_EAGER_CUSTOM_OP", custom_op)
+    x, idx, w, l1, l2 = make_inputs(20, 16, 8, 5, 3, device="cpu", dtype=torch.float32, seed=5)
+    y = dge.mega_moe_train(x, idx, w, l1, l2)
+    (dx,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    assert torch.isfinite(dx).all()
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(dx.sum(), x)
