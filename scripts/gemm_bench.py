@@ -7,7 +7,8 @@
     python scripts/gemm_bench.py --epilogue [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
-median of --reps CUDA-event timings after warm-up, TFLOP/s over the pool rows the experts own, and
+median of --reps CUDA-event timings after warm-up (each of --calls back-to-back calls, so that
+the launchers' host work overlaps the kernels), TFLOP/s over the pool rows the experts own, and
 the ratio to torch._grouped_mm on the same operands (offs = ends). Prints a table last.
 
 --schedules: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
@@ -110,11 +111,11 @@ def _grouped_table(args) -> int:
     results = []
     for name, (m, n, k), ours, baseline in cases:
         flops = 2.0 * m * n * k
-        ms = median_ms(ours, args.reps)
+        ms = median_ms(ours, args.reps, calls=args.calls)
         base_ms = None
         if baseline is not None:
             try:
-                base_ms = median_ms(baseline, args.reps)
+                base_ms = median_ms(baseline, args.reps, calls=args.calls)
             except (RuntimeError, TypeError) as exc:  # a layout torch's grouped GEMM does not take
                 print(f"{name}: torch._grouped_mm unavailable ({str(exc).splitlines()[0]})")
         results.append({"gemm": name, "workload": w.name, "pool_rows": used, "us": ms * 1e3,
@@ -133,14 +134,14 @@ def _grouped_table(args) -> int:
     return 0
 
 
-def _cublas_tflops(m: int, n: int, k: int, reps: int, cache: dict | None = None) -> float:
+def _cublas_tflops(m: int, n: int, k: int, reps: int, cache: dict | None = None, calls: int = 1) -> float:
     """TFLOP/s of one dense bf16 cuBLAS GEMM (torch.matmul) of M x N x K on random operands, timed
     once per shape when a ``cache`` is given."""
     if cache is not None and (m, n, k) in cache:
         return cache[(m, n, k)]
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
-    tflops = 2.0 * m * n * k / median_ms(lambda: torch.matmul(a, b), reps) / 1e9
+    tflops = 2.0 * m * n * k / median_ms(lambda: torch.matmul(a, b), reps, calls=calls) / 1e9
     if cache is not None:
         cache[(m, n, k)] = tflops
     return tflops
@@ -155,8 +156,8 @@ def _schedule_table(args) -> int:
             flops = 2.0 * m * n * k
             row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k}
             for schedule in gg.SCHEDULES:
-                row[schedule] = flops / median_ms(lambda: ours(schedule), args.reps) / 1e9
-            row["cublas"] = _cublas_tflops(m, n, k, args.reps)
+                row[schedule] = flops / median_ms(lambda: ours(schedule), args.reps, calls=args.calls) / 1e9
+            row["cublas"] = _cublas_tflops(m, n, k, args.reps, calls=args.calls)
             results.append(row)
     if args.json:
         with open(args.json, "w") as f:
@@ -255,7 +256,7 @@ def _wgrad_table(args) -> list[dict]:
             flops = 2.0 * m * n * k
             ref, got = bf16().float(), fp8().float()
             err = float((got - ref).norm() / ref.norm().clamp(min=1e-30))
-            bf16_ms, fp8_ms, fp8_q_ms = (median_ms(f, args.reps) for f in (bf16, fp8, fp8_quantized))
+            bf16_ms, fp8_ms, fp8_q_ms = (median_ms(f, args.reps, calls=args.calls) for f in (bf16, fp8, fp8_quantized))
             results.append({"workload": w.name, "gemm": name, "kind": "k_grouped", "m": m, "n": n, "k": k,
                             "bf16_us": bf16_ms * 1e3, "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
                             "fp8_tflops": flops / fp8_ms / 1e9, "fp8_with_quant_us": fp8_q_ms * 1e3,
@@ -285,7 +286,7 @@ def _fp8_table(args) -> int:
             # alignment gaps and its rows past the last expert are never written).
             own = owned_rows()
             same = torch.equal(fp8()[own].view(torch.int16), overlap()[own].view(torch.int16))
-            bf16_ms, fp8_ms, overlap_ms = (median_ms(f, args.reps) for f in (bf16, fp8, overlap))
+            bf16_ms, fp8_ms, overlap_ms = (median_ms(f, args.reps, calls=args.calls) for f in (bf16, fp8, overlap))
             results.append({"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bf16_us": bf16_ms * 1e3,
                              "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
                              "fp8_tflops": flops / fp8_ms / 1e9, "fp8_overlap_us": overlap_ms * 1e3,
@@ -383,8 +384,8 @@ def _cluster_table(args) -> int:
             del one, two
             row = {"workload": w.name, "dtype": dtype, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same}
             for c in gg.CLUSTER_SIZES:
-                row[f"c{c}"] = flops / median_ms(lambda: fn(c), args.reps) / 1e9
-            row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas)
+                row[f"c{c}"] = flops / median_ms(lambda: fn(c), args.reps, calls=args.calls) / 1e9
+            row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas, calls=args.calls)
             results.append(row)
         torch.cuda.empty_cache()
     if args.json:
@@ -440,8 +441,8 @@ def _epilogue_table(args) -> int:
             row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same,
                    "tile": gg.select_tile(out_n).block_n}
             for e in gg.EPILOGUE_BUFFERS:
-                row[f"e{e}"] = flops / median_ms(lambda: fn(e), args.reps) / 1e9
-            row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas)
+                row[f"e{e}"] = flops / median_ms(lambda: fn(e), args.reps, calls=args.calls) / 1e9
+            row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas, calls=args.calls)
             results.append(row)
         torch.cuda.empty_cache()
     if args.json:
@@ -474,6 +475,10 @@ def main() -> int:
     parser.add_argument("--epilogue", action="store_true",
                         help="2 vs 4 epilogue staging buffers vs dense cuBLAS TFLOP/s per bf16 GEMM, with bit identity")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=5,
+                        help="back-to-back calls per timed repeat (testing.median_ms): from the second on, a "
+                             "call's host work overlaps the previous kernel, so the times are the kernels'; "
+                             "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args()
     if args.schedules + args.fp8 + args.clusters + args.epilogue > 1:

@@ -15,6 +15,13 @@ gradients need about 116 GB): the kernels and host syncs per layer are the same 
     python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384
     python scripts/profile_layer.py sync
     python scripts/profile_layer.py sync --dry-run      # 2 tiny layers, also on a CPU
+    python scripts/profile_layer.py host [--workload qwen3-30b-a3b-t4096 ...]
+    python scripts/profile_layer.py host --dry-run
+
+``host``: forward+backward of ``mega_moe_train`` per workload through the custom ops
+(``DGE_EAGER_CUSTOM_OP=1``) and through the eager ``autograd.Function`` (the default), in
+alternating rounds: medians of the step (CUDA events, each step starting on an idle GPU) and of the
+host's time in the forward call and in the backward call.
 
 Each ends with a short markdown table.
 """
@@ -238,6 +245,67 @@ def cmd_sync(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# host
+
+
+def cmd_host(args) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.dry_run:
+        print("profile_layer.py host needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    shapes = ([("dry-run", 64, 64, 32, 8, 2)] if args.dry_run else
+              [(n, WORKLOADS[n].num_tokens, WORKLOADS[n].hidden, WORKLOADS[n].intermediate, WORKLOADS[n].num_experts,
+                WORKLOADS[n].top_k) for n in (args.workload or ["qwen3-30b-a3b-t4096"])])
+    rounds, steps = (1, 2) if args.dry_run else (args.rounds, args.steps)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    saved = os.environ.get("DGE_EAGER_CUSTOM_OP")
+    rows = []
+    try:
+        for name, T, H, I, E, K in shapes:
+            x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, device=device, dtype=dtype, seed=7)
+            dy = torch.randn_like(x)
+            samples = {"1": [], "0": []}
+            for r in range(rounds):  # alternating blocks, so drift hits both settings alike
+                for value in (("1", "0") if r % 2 == 0 else ("0", "1")):
+                    os.environ["DGE_EAGER_CUSTOM_OP"] = value
+                    for _ in range(2):  # not timed: the first steps after a switch
+                        torch.autograd.grad(dge.mega_moe_train(x, idx, w, l1, l2), (x, w, l1, l2), dy)
+                    for _ in range(steps):
+                        sync()  # every step starts on an idle GPU, as a step after a synchronize does
+                        if device == "cuda":
+                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            start.record()
+                        t0 = time.perf_counter()
+                        y = dge.mega_moe_train(x, idx, w, l1, l2)
+                        t1 = time.perf_counter()
+                        torch.autograd.grad(y, (x, w, l1, l2), dy)
+                        t2 = time.perf_counter()
+                        if device == "cuda":
+                            end.record()
+                            end.synchronize()
+                            step_ms = start.elapsed_time(end)
+                        else:
+                            step_ms = 1e3 * (t2 - t0)
+                        samples[value].append((step_ms, 1e3 * (t1 - t0), 1e3 * (t2 - t1)))
+            for value in ("1", "0"):
+                cols = list(zip(*samples[value]))
+                rows.append((name, value, *(statistics.median(c) for c in cols)))
+    finally:
+        if saved is None:
+            os.environ.pop("DGE_EAGER_CUSTOM_OP", None)
+        else:
+            os.environ["DGE_EAGER_CUSTOM_OP"] = saved
+    print(f"\nforward+backward of mega_moe_train on {device}, {rounds * steps} steps per setting "
+          f"({'CUDA events' if device == 'cuda' else 'wall clock'} for the step, the host's clock for the calls)\n")
+    print("| workload | path | step ms | host forward ms | host backward ms |\n|---|---|---|---|---|")
+    for name, value, step_ms, fwd_ms, bwd_ms in rows:
+        path = "custom ops (DGE_EAGER_CUSTOM_OP=1)" if value == "1" else "autograd.Function (default)"
+        print(f"| {name} | {path} | {step_ms:.3f} | {fwd_ms:.3f} | {bwd_ms:.3f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -259,11 +327,17 @@ def main(argv=None) -> int:
     s.add_argument("--rounds", type=int, default=4, help="alternations between the two settings")
     s.add_argument("--steps", type=int, default=5, help="timed steps per setting per round")
     s.add_argument("--dry-run", action="store_true", help="2 tiny layers, 1 round: checks the script, also on a CPU")
+    h = sub.add_parser("host", help="step and host time, custom ops vs the eager autograd.Function")
+    h.add_argument("--workload", action="append", choices=list(WORKLOADS),
+                   help="repeatable; default qwen3-30b-a3b-t4096")
+    h.add_argument("--rounds", type=int, default=4, help="alternations between the two paths")
+    h.add_argument("--steps", type=int, default=10, help="timed steps per path per round")
+    h.add_argument("--dry-run", action="store_true", help="a tiny layer, 1 round: checks the script, also on a CPU")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("kernels", "sync", "-h", "--help"):
+    if not argv or argv[0] not in ("kernels", "sync", "host", "-h", "--help"):
         argv = ["kernels", *argv]  # the command line before the sync measurement existed
     args = p.parse_args(argv)
-    return cmd_kernels(args) if args.cmd == "kernels" else cmd_sync(args)
+    return {"kernels": cmd_kernels, "sync": cmd_sync, "host": cmd_host}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -230,6 +230,17 @@ def test_profile_sync_dry_run(capsys, monkeypatch):
     assert os.environ["DGE_CHECK_IDS"] == "1"  # restored
 
 
+def test_profile_host_dry_run(capsys, monkeypatch):
+    monkeypatch.delenv("DGE_EAGER_CUSTOM_OP", raising=False)
+    assert profile_layer.main(["host", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| workload | path | step ms | host forward ms | host backward ms |" in out
+    assert "custom ops (DGE_EAGER_CUSTOM_OP=1)" in out and "autograd.Function (default)" in out
+    assert _last_line(out).count("|") == 6
+    import os
+    assert "DGE_EAGER_CUSTOM_OP" not in os.environ  # restored
+
+
 def test_profile_old_command_line_means_kernels():
     if torch.cuda.is_available():
         pytest.skip("runs the profile on a GPU")
