@@ -86,3 +86,18 @@ def test_double_backward_raises(monkeypatch, custom_op):
     assert torch.isfinite(dx).all()
     with pytest.raises(RuntimeError):
         torch.autograd.grad(dx.sum(), x)
+
+
+@pytest.mark.parametrize("custom_op", ["0", "1"])
+def test_activation_checkpointing_gives_the_same_gradients(monkeypatch, custom_op):
+    """torch.utils.checkpoint (non-reentrant) over the layer: the recomputed forward's saved tensors
+    serve the backward, on either path, with the gradients of the plain call bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv("DGE_EAGER_CUSTOM_OP", custom_op)
+    inputs = make_inputs(37, 16, 8, 5, 3, routing="unused_slots", device="cpu", dtype=torch.float32, seed=8)
+    dy = torch.randn(37, 16)
+    plain = _run(inputs, dy, 0.7)[1]
+    x, idx, w, l1, l2 = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+    y = checkpoint(lambda *a: dge.mega_moe_train(*a, activation_clamp=0.7), x, idx, w, l1, l2, use_reentrant=False)
+    _assert_same(plain, (y.detach(), *torch.autograd.grad(y, (x, w, l1, l2), dy)))
