@@ -140,9 +140,10 @@ def fp8_wgrad() -> str | None:
 
 def eager_custom_op() -> bool:
     """DGE_EAGER_CUSTOM_OP: 1 routes eager calls of the layer through its ``torch.library`` custom
-    ops, as under torch.compile. Default off: eager calls with plain tensors (no tensor subclass, no
-    dispatch or function mode, no functorch transform) run the same forward and backward through a
-    ``torch.autograd.Function``, which skips the dispatcher's per-call work; same results bit for bit."""
+    ops, as under torch.compile. Default off: eager calls with plain CPU / CUDA tensors (no tensor
+    subclass, meta tensor, dispatch or function mode, functorch transform or torch.jit.trace) run the
+    same forward and backward through a ``torch.autograd.Function``, which skips the dispatcher's
+    per-call work; same results bit for bit."""
     return _flag("DGE_EAGER_CUSTOM_OP", default=False)
 
 

@@ -8,8 +8,9 @@ schema. Both are opaque to ``torch.compile`` (one node each) and free of host sy
 (but the optional id check), so they can be captured in CUDA graphs.
 
 :func:`call` (what ``mega_moe_train`` runs) takes the ops where the dispatcher is needed
-(torch.compile, dispatch and function modes, functorch, tensor subclasses, DGE_EAGER_CUSTOM_OP=1) and
-otherwise the same forward and backward through a ``torch.autograd.Function``.
+(torch.compile, torch.jit.trace, dispatch and function modes, functorch, tensor subclasses, meta
+tensors, DGE_EAGER_CUSTOM_OP=1) and otherwise the same forward and backward through a
+``torch.autograd.Function`` (whose backward, traced by compiled autograd, is the backward op).
 """
 from __future__ import annotations
 
@@ -114,21 +115,33 @@ class _EagerMegaMoE(torch.autograd.Function):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 7
-        dx, d_topk, d_l1, d_l2 = layer.backward(Plan.decode(ctx.plan), dy.contiguous(), list(ctx.saved_tensors),
-                                                 ctx.activation_clamp)
+        if torch.compiler.is_compiling():  # compiled autograd traces this: keep the backward one opaque op
+            dx, d_topk, d_l1, d_l2 = torch.ops.deep_gemm_ext.mega_moe_bwd(dy, list(ctx.saved_tensors),
+                                                                          ctx.activation_clamp, ctx.plan)
+        else:
+            dx, d_topk, d_l1, d_l2 = layer.backward(Plan.decode(ctx.plan), dy.contiguous(),
+                                                     list(ctx.saved_tensors), ctx.activation_clamp)
         return dx, None, d_topk, d_l1, d_l2, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError("mega_moe_train has no forward-mode AD (jvp): differentiate it with backward "
+                                  "(reverse mode) instead")
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_EAGER_DEVICES = ("cpu", "cuda")
 
 
 def _dispatcher_needed(tensors) -> bool:
-    """Whether a call must go through the custom ops: under torch.compile, inside a torch dispatch or
-    function mode (fake tensors, FlopCounterMode, ...), under a functorch transform, with a tensor
-    subclass, or when DGE_EAGER_CUSTOM_OP=1 asks for it."""
+    """Whether a call must go through the custom ops: under torch.compile or torch.jit.trace, inside a
+    torch dispatch or function mode (fake tensors, FlopCounterMode, ``with torch.device(...)``), under a
+    functorch transform, with a tensor subclass or a tensor on another device than CPU / CUDA (meta
+    tensors take the ops' fake), or when DGE_EAGER_CUSTOM_OP=1 asks for it."""
     return (torch.compiler.is_compiling() or _env.eager_custom_op() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
-            or any(type(t) not in _PLAIN for t in tensors))
+            or torch.jit.is_tracing()
+            or any(type(t) not in _PLAIN or t.device.type not in _EAGER_DEVICES for t in tensors))
 
 
 def call(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan: str) -> torch.Tensor:

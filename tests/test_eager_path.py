@@ -101,3 +101,55 @@ def test_activation_checkpointing_gives_the_same_gradients(monkeypatch, custom_o
     x, idx, w, l1, l2 = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
     y = checkpoint(lambda *a: dge.mega_moe_train(*a, activation_clamp=0.7), x, idx, w, l1, l2, use_reentrant=False)
     _assert_same(plain, (y.detach(), *torch.autograd.grad(y, (x, w, l1, l2), dy)))
+
+
+def _small(seed=6):
+    return make_inputs(20, 16, 8, 5, 3, device="cpu", dtype=torch.float32, seed=seed)
+
+
+def test_meta_tensors_take_the_fake():
+    y = dge.mega_moe_train(*(t.detach().to("meta") for t in _small()))
+    assert y.device.type == "meta" and y.shape == (20, 16)
+
+
+def test_jit_trace_records_the_custom_op():
+    x, idx, w, l1, l2 = (t.detach() for t in _small())
+    traced = torch.jit.trace(lambda *a: dge.mega_moe_train(*a), (x, idx, w, l1, l2), check_trace=False)
+    kinds = {n.kind() for n in traced.graph.nodes()}
+    assert "deep_gemm_ext::mega_moe_fwd" in kinds and "prim::PythonOp" not in kinds, sorted(kinds)
+    x2, idx2, w2, l12, l22 = (t.detach() for t in _small(seed=9))
+    assert torch.equal(traced(x2, idx2, w2, l12, l22), dge.mega_moe_train(x2, idx2, w2, l12, l22))
+
+
+def test_compiled_autograd_sees_one_backward_op():
+    """A forward run eagerly (the autograd.Function), its backward under compiled autograd: the
+    traced backward holds the custom backward op, not the layer's Python, and equals eager."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    inputs = _small()
+    dy = torch.randn(20, 16)
+    plain = _run(inputs, dy, None)[1]
+    x, idx, w, l1, l2 = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+    y = dge.mega_moe_train(x, idx, w, l1, l2)
+    assert type(y.grad_fn).__name__ == "_EagerMegaMoEBackward"
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return counter(gm, example_inputs)
+
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend=backend)):
+        grads = torch.autograd.grad(y, (x, w, l1, l2), dy)
+    assert any("mega_moe_bwd" in s for s in seen), seen
+    _assert_same(plain, (y.detach(), *grads))
+
+
+def test_forward_mode_ad_raises():
+    import torch.autograd.forward_ad as fwAD
+
+    x, idx, w, l1, l2 = _small()
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        dge.mega_moe_train(fwAD.make_dual(x.detach(), torch.ones_like(x)), idx, w, l1, l2)
