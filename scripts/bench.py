@@ -323,6 +323,8 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                          peak_gib=None if peak is None else round(peak, 3),
                          saved_gib=None if saved is None else round(saved, 3),
                          check_max_rel_err=float(f"{worst:.3e}"), notes=list(impl.notes))
+        # As soon as it is measured: a run cut short still shows the rows it timed.
+        print(f"{wl.name}: {label(record)} timed: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms", flush=True)
     measured = {k: r for k, r in rows.items() if "skipped" not in r}
     for r in measured.values():
         r["ratio_vs_grouped_mm"] = _ratio(measured.get(BASE), r)
