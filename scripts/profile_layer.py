@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import _env  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, make_inputs  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, environ, make_inputs  # noqa: E402
 
 IMPLS = {"ours": dge.mega_moe_train, "grouped_mm": grouped_mm_moe}
 #: Chrome-trace categories of device activity that occupies a stream.
@@ -249,6 +249,27 @@ def cmd_sync(args) -> int:
 # host
 
 
+def _host_step(x, idx, w, l1, l2, dy, device, sync) -> tuple[float, float, float]:
+    """(step ms, host ms in the forward call, host ms in the backward call) of one step that starts on
+    an idle GPU, as a step after a synchronize does."""
+    sync()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    y = dge.mega_moe_train(x, idx, w, l1, l2)
+    t1 = time.perf_counter()
+    torch.autograd.grad(y, (x, w, l1, l2), dy)
+    t2 = time.perf_counter()
+    if device == "cuda":
+        end.record()
+        end.synchronize()
+        step_ms = start.elapsed_time(end)
+    else:
+        step_ms = 1e3 * (t2 - t0)
+    return step_ms, 1e3 * (t1 - t0), 1e3 * (t2 - t1)
+
+
 def cmd_host(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.dry_run:
@@ -260,43 +281,20 @@ def cmd_host(args) -> int:
     rounds, steps = (1, 2) if args.dry_run else (args.rounds, args.steps)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    saved = os.environ.get("DGE_EAGER_CUSTOM_OP")
     rows = []
-    try:
-        for name, T, H, I, E, K in shapes:
-            x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, device=device, dtype=dtype, seed=7)
-            dy = torch.randn_like(x)
-            samples = {"1": [], "0": []}
-            for r in range(rounds):  # alternating blocks, so drift hits both settings alike
-                for value in (("1", "0") if r % 2 == 0 else ("0", "1")):
-                    os.environ["DGE_EAGER_CUSTOM_OP"] = value
+    for name, T, H, I, E, K in shapes:
+        x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, device=device, dtype=dtype, seed=7)
+        dy = torch.randn_like(x)
+        samples = {"1": [], "0": []}
+        for r in range(rounds):  # alternating blocks, so drift hits both settings alike
+            for value in (("1", "0") if r % 2 == 0 else ("0", "1")):
+                with environ({"DGE_EAGER_CUSTOM_OP": value}):
                     for _ in range(2):  # not timed: the first steps after a switch
                         torch.autograd.grad(dge.mega_moe_train(x, idx, w, l1, l2), (x, w, l1, l2), dy)
-                    for _ in range(steps):
-                        sync()  # every step starts on an idle GPU, as a step after a synchronize does
-                        if device == "cuda":
-                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            start.record()
-                        t0 = time.perf_counter()
-                        y = dge.mega_moe_train(x, idx, w, l1, l2)
-                        t1 = time.perf_counter()
-                        torch.autograd.grad(y, (x, w, l1, l2), dy)
-                        t2 = time.perf_counter()
-                        if device == "cuda":
-                            end.record()
-                            end.synchronize()
-                            step_ms = start.elapsed_time(end)
-                        else:
-                            step_ms = 1e3 * (t2 - t0)
-                        samples[value].append((step_ms, 1e3 * (t1 - t0), 1e3 * (t2 - t1)))
-            for value in ("1", "0"):
-                cols = list(zip(*samples[value]))
-                rows.append((name, value, *(statistics.median(c) for c in cols)))
-    finally:
-        if saved is None:
-            os.environ.pop("DGE_EAGER_CUSTOM_OP", None)
-        else:
-            os.environ["DGE_EAGER_CUSTOM_OP"] = saved
+                    samples[value] += [_host_step(x, idx, w, l1, l2, dy, device, sync) for _ in range(steps)]
+        for value in ("1", "0"):
+            cols = list(zip(*samples[value]))
+            rows.append((name, value, *(statistics.median(c) for c in cols)))
     print(f"\nforward+backward of mega_moe_train on {device}, {rounds * steps} steps per setting "
           f"({'CUDA events' if device == 'cuda' else 'wall clock'} for the step, the host's clock for the calls)\n")
     print("| workload | path | step ms | host forward ms | host backward ms |\n|---|---|---|---|---|")
