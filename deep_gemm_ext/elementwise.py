@@ -60,6 +60,18 @@ def swiglu_forward(h: torch.Tensor, activation_clamp: float | None, kernels=None
     return swiglu(h.to(acc), activation_clamp).to(h.dtype)
 
 
+def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels):
+    """The pool of ``x``'s rows quantized 1x128, ``(data [P, H] e4m3, scale [P, H/128] fp32)``: each token
+    quantized once, then its rows gathered (padding rows: data and scale zero)."""
+    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k)
+
+
+def swiglu_forward_fp8(h: torch.Tensor, activation_clamp: float | None, kernels):
+    """:func:`swiglu_forward` on the JIT kernel that quantizes act 1x128 along I as it goes (the fp8
+    recipe's L2 forward operand), writing no bf16 act: ``(act_data, act_scale)``."""
+    return kernels.swiglu_forward_fp8(h, activation_clamp)
+
+
 def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
                         activation_clamp: float | None, kernels):
     """:func:`swiglu_backward` on the JIT kernel that also quantizes dh 1x128 along 2I (the fp8

@@ -4,8 +4,11 @@
     backward:  exchange.combine_backward -> L2 dgrad -> SwiGLU backward (d topk_weights = <da', act>)
                -> dW2, L1 dgrad -> combine -> dW1 -> exchange.dispatch_backward
 
-Under the fp8 recipe the SwiGLU backward may also write dh quantized for the L1 data gradient
-(``plan.fp8_dh``): the GEMM then reads those rows (an Fp8Rows operand) instead of quantizing dh.
+Under the fp8 recipe the layer may make the quantized rows the fp8 GEMMs read (``plan.fp8_rows``):
+the SwiGLU forward writes act in fp8 only (the L2 GEMM's operand; the backward recomputes act from
+h), the SwiGLU backward also writes dh quantized for the L1 data gradient, and dy is quantized per
+token before its rows are gathered for the L2 data gradient; the GEMMs then read those rows
+(Fp8Rows operands) instead of quantizing pools themselves.
 
 Which GEMMs run (``plan.gemms``: our SM90 kernels, torch._grouped_mm, a loop over experts, DeepGEMM),
 under which precision (``plan.precision``) and token exchange (``plan.tokens``) is the plan's
@@ -139,7 +142,11 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         # h is an output of the op: rows no expert owns are zero rather than stale memory.
         h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
         _rows_arrived(pending)
-        act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
+        if plan.fp8_rows:
+            # The L2 GEMM's operand straight from h: act's fp8 rows and scales, no bf16 act written.
+            act = Fp8Rows(*elementwise.swiglu_forward_fp8(h, activation_clamp, plan.kernels))
+        else:
+            act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
     y_r = _combine(plan, act, precision.expert_weights(l2_weights, cdt), "nt", meta, w_r, x.dtype)
     y = plan.tokens.combine(y_r, handle)
     return y, [x_rows, w_r, l1_weights, l2_weights, h, *meta.tensors(), *handle]
@@ -181,8 +188,14 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
                                                   epilogue=SwigluBackward(h, row_weight, activation_clamp))
         dh_l1 = dh
     else:
-        da = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
-        if plan.fp8_dh:
+        a_l2 = a_dy
+        if plan.fp8_rows and gather is None:
+            # dy quantized per token, then its rows gathered: the pool's quantized bits from T rows of
+            # reads instead of P (the bf16 pool stays for dW2).
+            a_l2 = Fp8Rows(*elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels))
+        da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
+        del a_l2
+        if plan.fp8_rows:
             # The SwiGLU backward also quantizes dh for the L1 data gradient (no separate pass).
             dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,
                                                                                   plan.kernels)

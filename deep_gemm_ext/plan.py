@@ -74,8 +74,10 @@ class Plan:
     swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
                       (DGE_FP8_WGRAD; unset: "bf16" on the sm90 provider, "fp8" on the others)
-    fp8_dh            under the fp8 recipe, the SwiGLU backward (a JIT kernel) also writes dh quantized 1x128
-                      and the L1 data gradient reads it (providers that take Fp8Rows, SwiGLU not in epilogues)
+    fp8_rows          under the fp8 recipe, the layer hands the fp8 GEMMs 1x128-quantized rows made where they
+                      cost least: act by the SwiGLU forward (no bf16 act), dh by the SwiGLU backward (besides
+                      the bf16 dh), dy's pool rows quantized per token and gathered (providers that take
+                      Fp8Rows, SwiGLU not in epilogues)
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
     gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
@@ -97,7 +99,7 @@ class Plan:
     swiglu_epilogues: bool = False
     check_ids: bool = True
     fp8_wgrad: str = "fp8"
-    fp8_dh: bool = False
+    fp8_rows: bool = False
     gemm_schedule: str = "cooperative"
     ep_overlap: bool = False
 
@@ -152,7 +154,7 @@ class Plan:
         fusions = [name for name, on in (("L1 gathers x", self.gather_x), ("backward gathers", self.gather_backward),
                                          ("combine epilogues", self.combine_epilogue),
                                          ("SwiGLU epilogues", self.swiglu_epilogues),
-                                         ("dh quantized in the SwiGLU backward", self.fp8_dh),
+                                         ("act and dh quantized in the SwiGLU kernels, dy per token", self.fp8_rows),
                                          ("dispatch overlapped with the L1 GEMM", self.ep_overlap)) if on]
         if fusions:
             parts.append(", ".join(fusions))
@@ -305,7 +307,7 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
         fp8_wgrad=wgrad,
-        fp8_dh=(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues),
+        fp8_rows=(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues),
         gemm_schedule=_env.gemm_schedule(),
         ep_overlap=ep_overlap_applies(_env.ep_overlap(), exchange, provider, recipe, dtype, gather_x),
     )

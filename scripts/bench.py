@@ -187,12 +187,13 @@ def _cpu_median_ms(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def bench_one(impl: Impl, inputs, reps, device="cuda"):
-    """(forward ms, forward+backward ms, peak GiB, saved GiB); memory is None off the GPU."""
+def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
+    """(forward ms, forward+backward ms, peak GiB, saved GiB); memory is None off the GPU. ``calls``:
+    back-to-back calls per timed repeat (``testing.median_ms``), the same for every row."""
     x, idx, w, l1, l2 = inputs
     args = impl.prepare(*inputs)
     dy = torch.randn_like(x)
-    timer = median_ms if device == "cuda" else _cpu_median_ms
+    timer = (lambda fn, reps: median_ms(fn, reps, calls=calls)) if device == "cuda" else _cpu_median_ms
 
     def fwd_bwd():
         y = impl.fn(*args)
@@ -292,7 +293,7 @@ def print_table(records) -> None:
 
 
 def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: str, meta: dict,
-                 check: Workload = CHECK) -> list:
+                 check: Workload = CHECK, calls: int = 1) -> list:
     """Records of every implementation on ``wl`` (a ``skipped`` record with the reason where one
     could not be checked or timed), ratios against this run's two grouped_mm rows."""
     inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
@@ -312,7 +313,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                 if not worst < bound:  # NaN fails too
                     raise RuntimeError("disagrees with the fp64 reference on the check shape: " + ", ".join(
                         f"{k} {v:.2e}" for k, v in errors.items()) + f" (expected < {bound})")
-                fwd, fwdbwd, peak, saved = bench_one(impl, inputs, reps, device)
+                fwd, fwdbwd, peak, saved = bench_one(impl, inputs, reps, device, calls)
         except Exception as exc:  # reported in the output and the records, never dropped silently
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             rows[key] = dict(record, skipped="; ".join([*impl.notes, f"{type(exc).__name__}: {first}"]))
@@ -339,6 +340,11 @@ def main(argv=None):
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--loop", action="store_true", help="also time the HF-style loop (slow)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--calls", type=int, default=1,
+                   help="back-to-back calls per timed repeat, every row alike: 1 (default) times each call "
+                        "from an idle GPU, its host work before the first kernel included; more time the "
+                        "steady state of a training loop, where a call's host work overlaps the previous "
+                        "call's kernels")
     p.add_argument("--all-variants", action="store_true",
                    help="also time the variants measured slower before (1-row TMA gather, gathering backward)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd grouped_mm row")
@@ -361,8 +367,10 @@ def main(argv=None):
     workloads = [DRY_RUN] if args.dry_run else [WORKLOADS[name] for name in args.workloads]
     reps = 2 if args.dry_run else args.reps
 
+    if args.calls < 1:
+        sys.exit(f"--calls {args.calls}: expected >= 1")
     meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", commit=git_commit(),
-                date=datetime.date.today().isoformat())
+                date=datetime.date.today().isoformat(), calls=args.calls)
     skips = {}
     impls = implementations(args.loop, args.all_variants, compiled=not args.no_compile, skips=skips)
     if args.rows is not None:
@@ -376,7 +384,8 @@ def main(argv=None):
         print(f"{label(dict(impl=key[0], backend=key[1], recipe=key[2]))} skipped: {reason}", flush=True)
     records, checked = [], {}
     for wl in workloads:
-        records += run_workload(wl, impls, checked, reps, device, meta, DRY_RUN if args.dry_run else CHECK)
+        records += run_workload(wl, impls, checked, reps, device, meta, DRY_RUN if args.dry_run else CHECK,
+                                args.calls)
         if args.json:  # after every workload, so a cut-short run keeps what it measured
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
@@ -393,6 +402,7 @@ def main(argv=None):
             print(f"- not measured: {r['workload']} {label(r)}: {r['skipped']}")
     for note in dict.fromkeys(n for r in records for n in r.get("notes", [])):
         print(f"- note: {note}")
+    print(f"\nCUDA-event medians of {reps} repeats, {args.calls} back-to-back call(s) per repeat, every row alike.")
     print_table(records)
 
 

@@ -12,7 +12,7 @@ alternating rounds; CUDA-event medians of the step and the difference per step a
 layers share one set of expert weights by default (48 distinct Qwen3-30B expert sets and their
 gradients need about 116 GB): the kernels and host syncs per layer are the same either way.
 
-    python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384
+    python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384 [--recipe fp8]
     python scripts/profile_layer.py sync
     python scripts/profile_layer.py sync --dry-run      # 2 tiny layers, also on a CPU
     python scripts/profile_layer.py host [--workload qwen3-30b-a3b-t4096 ...]
@@ -135,9 +135,13 @@ def cmd_kernels(args) -> int:
                                     device="cuda", seed=7)
     dy = torch.randn_like(x)
     fn = IMPLS[args.impl]
+    if args.recipe != "bf16" and args.impl != "ours":
+        print(f"--recipe {args.recipe}: only --impl ours has recipes", file=sys.stderr)
+        return 2
+    kwargs = {"recipe": args.recipe} if args.impl == "ours" else {}
 
     def step():
-        y = fn(x, idx, w, l1, l2)
+        y = fn(x, idx, w, l1, l2, **kwargs)
         torch.autograd.grad(y, (x, w, l1, l2), dy)
 
     for _ in range(3):  # JIT builds and allocator warm-up stay out of the profile
@@ -153,7 +157,7 @@ def cmd_kernels(args) -> int:
         if args.trace:
             Path(args.trace).write_text(path.read_text())
     s = summarize(device_activities(trace))
-    print_kernel_report(f"{args.impl} on {args.workload} (DGE_CHECK_IDS={_check_ids_label()}): "
+    print_kernel_report(f"{args.impl} ({args.recipe}) on {args.workload} (DGE_CHECK_IDS={_check_ids_label()}): "
                         f"one forward+backward", s, args.rows)
     return 0
 
@@ -240,7 +244,7 @@ def cmd_sync(args) -> int:
     print("| DGE_CHECK_IDS | median step ms | min ms | max ms |\n|---|---|---|---|")
     for k in ("1", "0"):
         print(f"| {k} | {med[k]:.3f} | {min(times[k]):.3f} | {max(times[k]):.3f} |")
-    print(f"\n| check costs per step ms | per layer us | share of the step |\n|---|---|---|")
+    print("\n| check costs per step ms | per layer us | share of the step |\n|---|---|---|")
     print(f"| {diff:.3f} | {1e3 * diff / args.layers:.1f} | {100 * diff / med['1']:.1f}% |")
     return 0
 
@@ -310,6 +314,7 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernels", help="kernels and gaps of one forward+backward")
     k.add_argument("--impl", choices=list(IMPLS), default="ours")
     k.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t16384")
+    k.add_argument("--recipe", choices=["bf16", "fp8"], default="bf16", help="the layer's recipe (--impl ours)")
     k.add_argument("--rows", type=int, default=25, help="kernel names listed (by total time)")
     k.add_argument("--trace", default=None, help="also save the chrome trace here")
     s = sub.add_parser("sync", help="DGE_CHECK_IDS=1 vs 0 on a stack of routed layers")

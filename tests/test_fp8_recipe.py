@@ -588,19 +588,19 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     monkeypatch.delenv("DGE_FP8_WGRAD", raising=False)
     sm90 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
     assert (sm90.provider, sm90.fp8_wgrad, sm90.precision.fp8_wgrad) == ("sm90", "bf16", False)
-    assert sm90.combine_epilogue and not sm90.swiglu_epilogues and sm90.fp8_dh
-    assert "dh quantized in the SwiGLU backward" in sm90.describe()
+    assert sm90.combine_epilogue and not sm90.swiglu_epilogues and sm90.fp8_rows
+    assert "act and dh quantized in the SwiGLU kernels, dy per token" in sm90.describe()
     assert plan.Plan.decode(sm90.encode()) == sm90
-    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "bf16", "local")).fp8_dh
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "bf16", "local")).fp8_rows
     torch_plan = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local"))
-    assert (torch_plan.provider, torch_plan.fp8_wgrad, torch_plan.fp8_dh) == ("grouped_mm", "fp8", False)
+    assert (torch_plan.provider, torch_plan.fp8_wgrad, torch_plan.fp8_rows) == ("grouped_mm", "fp8", False)
     monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
     monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
     assert not sm90.gather_backward  # bf16 weight gradients: the GEMMs' gathers are slower than pools
     monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     fp8_wgrad = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
     # fp8 weight gradients on ours: every backward operand is quantized by a gathering kernel.
-    assert (fp8_wgrad.fp8_wgrad, fp8_wgrad.gather_x, fp8_wgrad.gather_backward, fp8_wgrad.fp8_dh) == \
+    assert (fp8_wgrad.fp8_wgrad, fp8_wgrad.gather_x, fp8_wgrad.gather_backward, fp8_wgrad.fp8_rows) == \
         ("fp8", "cp_async", True, True)
     monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "0")
     assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).gather_backward

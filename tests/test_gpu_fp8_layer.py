@@ -1,5 +1,5 @@
 """The layer under recipe="fp8" on our SM90 kernels (blockwise-fp8 GEMMs, quantization kernels,
-dh quantized in the SwiGLU backward, bf16 weight gradients by default, fp8 ones on the K-grouped
+act and dh quantized in the SwiGLU kernels, bf16 weight gradients by default, fp8 ones on the K-grouped
 fp8 GEMM with DGE_FP8_WGRAD=fp8) against the fp64 reference: y and all four gradients within
 1.02x (+1e-3) of the error of the fp32 emulation of the same quantization points
 (recipes.fp8.fp8_reference_layer with the plan's weight-gradient mode), NaN-poisoned memory first,
@@ -86,19 +86,20 @@ def test_fp8_layer_variants(monkeypatch, env):
 
 
 @pytest.mark.parametrize("env", [{}, {"DGE_FP8_WGRAD": "fp8"}, {"DGE_FUSED_COMBINE": "0"}])
-def test_fp8_dh_quantized_in_swiglu_backward_is_bit_identical(monkeypatch, env):
-    """The plan quantizes dh in the SwiGLU backward on our SM90 provider; with that off (the
-    provider taking no Fp8Rows) the L1 dgrad quantizes dh itself: every output bit for bit the same
-    (the fused quantizer is quantize_rows' twin), NaN-poisoned memory before each run."""
+def test_fp8_act_and_dh_quantized_in_swiglu_kernels_are_bit_identical(monkeypatch, env):
+    """The plan quantizes act in the SwiGLU forward and dh in the SwiGLU backward on our SM90
+    provider; with that off (the provider taking no Fp8Rows) the L2 forward and the L1 dgrad quantize
+    act and dh themselves: every output bit for bit the same (the fused quantizers are quantize_rows'
+    twins), NaN-poisoned memory before each run."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     x, idx, w, l1, l2 = make_inputs(600, 1024, 384, 16, 4, routing="empty_experts", device="cuda", seed=17)
     dy = torch.randn(600, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(17)).to(torch.bfloat16)
-    assert plan.resolve(x, l1, recipe="fp8").fp8_dh, plan.resolve(x, l1, recipe="fp8").describe()
+    assert plan.resolve(x, l1, recipe="fp8").fp8_rows, plan.resolve(x, l1, recipe="fp8").describe()
     poison_cached_memory()
     fused = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
     monkeypatch.setattr(Sm90Provider, "takes_fp8_rows", False)
-    assert not plan.resolve(x, l1, recipe="fp8").fp8_dh
+    assert not plan.resolve(x, l1, recipe="fp8").fp8_rows
     poison_cached_memory()
     separate = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
     torch.cuda.synchronize()
@@ -112,16 +113,16 @@ def test_fp8_dh_quantized_in_swiglu_backward_is_bit_identical(monkeypatch, env):
 def test_fp8_layer_tiny_token_counts(monkeypatch, num_tokens, wgrad):
     if wgrad == "fp8":
         monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
+    if num_tokens == 1:
+        # One token: against the fp64 reference relative to the emulation's error, as every shape (a fixed
+        # bound on a two-element d topk_weights would test the draw of dy, not the kernels).
+        check_fp8_layer(1, 256, 128, 8, 2, "uniform", None, seed=3, label=f"one token wgrad={wgrad}")
+        return
     x, idx, w, l1, l2 = make_inputs(num_tokens, 256, 128, 8, 2, device="cuda", seed=3)
     dy = torch.randn(num_tokens, 256, device="cuda").to(torch.bfloat16)
     y, grads = run_layer(_fp8_layer, x, idx, w, l1, l2, None, dy)
     assert y.shape == (num_tokens, 256)
-    if num_tokens == 0:
-        assert all(not g.any() for g in grads)
-        return
-    y_ref, g_ref = reference_grads(x, idx, w, l1, l2, None, dy)
-    for name, out, ref in zip(NAMES, (y, *grads), (y_ref, *g_ref)):
-        assert torch.isfinite(out).all() and rel_err(out, ref) < 0.1, name
+    assert all(not g.any() for g in grads)
 
 
 def test_fp8_layer_is_deterministic_and_compiles():

@@ -245,6 +245,33 @@ def test_quantize_rows_gather_matches_pool(prebuilt, kind, num_tokens, num_exper
 
 
 @requires_hopper
+@pytest.mark.parametrize("kind", ["uniform", "empty_experts", "unused_slots", "one_expert"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden", [(1, 4, 2, 512), (300, 16, 4, 2048),
+                                                                  (129, 64, 8, 7168), (77, 8, 2, 256)])
+def test_quantize_pool_rows_matches_gathering_quantizer(prebuilt, kind, num_tokens, num_experts, top_k, hidden):
+    """Per token, then gathered: every used row's data and scales bit for bit those of the gathering
+    quantizer; padding rows zero data and scale 0 (or, where a scale row is not whole 16-byte vectors,
+    H = 256, the gathering quantizer itself, with the zero tile's scale)."""
+    seed = num_tokens * 5 + num_experts + top_k * 3 + hidden
+    gen = torch.Generator().manual_seed(seed)
+    idx = make_routing(num_tokens, num_experts, top_k, kind, generator=gen).to(DEVICE)
+    meta = compute_routing_torch(idx, num_experts, 128)
+    x = _make_rows(num_tokens, hidden, seed)
+    ref = quantize_rows_fp8(x, gather=(meta.row_to_slot, top_k))
+    poison_cached_memory(0xFF)
+    data, scale = fp8_quant.quantize_pool_rows_fp8(x, meta.row_to_slot, top_k)
+    what = f"pool kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} seed={seed}"
+    used = meta.row_to_slot >= 0
+    assert used.any(), what
+    assert torch.equal(data[used].view(torch.uint8), ref[0][used].view(torch.uint8)), what
+    assert torch.equal(scale[used], ref[1][used]), what
+    padding = ~used
+    if padding.any():
+        assert (data[padding].view(torch.uint8) == 0).all(), what
+        assert (scale[padding] == (0.0 if (hidden // 128) % 4 == 0 else 2.0 ** -126)).all(), what
+
+
+@requires_hopper
 def test_quantize_rows_gather_out_of_range_tokens_read_zeros(prebuilt):
     """A slot past the tokens reads as a zero row (like gather_rows), never out of bounds."""
     x = _make_rows(4, 256, 21)

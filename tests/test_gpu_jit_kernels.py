@@ -15,6 +15,7 @@ pytestmark = requires_cuda
 
 from deep_gemm_ext import jit  # noqa: E402
 from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, routing_metadata, swiglu_backward,  # noqa: E402
+                                       zero_rows_past,
                                        swiglu_forward)
 from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
 from deep_gemm_ext.testing import make_routing  # noqa: E402
@@ -178,6 +179,39 @@ def test_gather_rows_exact(num_tokens, hidden):
     src = (meta.row_to_slot.long() // top_k).clamp(min=0)
     ref = torch.where(valid[:, None], x[src] if num_tokens else torch.zeros_like(pool), torch.zeros_like(pool))
     assert torch.equal(pool, ref)
+
+
+@pytest.mark.parametrize("kind,num_tokens,cols,dtype", [("unused_slots", 1000, 1536, torch.bfloat16),
+                                                      ("uniform", 333, 136, torch.bfloat16),
+                                                      ("all_unused", 64, 256, torch.bfloat16),
+                                                      ("uniform", 200, 64, torch.float32)])
+def test_zero_rows_past_touches_only_the_tail(kind, num_tokens, cols, dtype):
+    """Rows [ends[-1], P) become zero, every row before keeps its (poisoned) bytes: the tail's start is
+    read on the device, whatever the routing (all slots unused: the whole tensor)."""
+    top_k = 4
+    if kind == "all_unused":
+        meta = compute_routing_torch(torch.full((num_tokens, top_k), -1, dtype=torch.int32, device=DEVICE), 16, 128)
+    else:
+        meta = _meta(num_tokens, 16, top_k, kind)
+    poison_cached_memory()
+    out = torch.empty(meta.num_pool_rows, cols, dtype=dtype, device=DEVICE)
+    before = out.clone()
+    assert zero_rows_past(out, meta.ends) is out
+    last = int(meta.ends[-1])
+    assert last < meta.num_pool_rows, (kind, last, meta.num_pool_rows)  # a tail exists: the test can fail
+    assert (out[last:] == 0).all(), f"{kind}: a row past ends[-1] = {last} is not zero"
+    assert torch.equal(out[:last].view(torch.uint8), before[:last].view(torch.uint8)), \
+        f"{kind}: a row before ends[-1] = {last} was written"
+
+
+def test_zero_rows_past_rejects_bad_arguments():
+    ends = torch.tensor([128], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="out: expected a contiguous"):
+        zero_rows_past(torch.empty(256, 6, dtype=torch.bfloat16, device=DEVICE), ends)
+    with pytest.raises(ValueError, match="ends: expected a 1-D int32"):
+        zero_rows_past(torch.empty(256, 64, dtype=torch.bfloat16, device=DEVICE), ends.long())
+    with pytest.raises(ValueError, match="out: expected a CUDA tensor"):
+        zero_rows_past(torch.empty(256, 64, dtype=torch.bfloat16), ends)
 
 
 def test_gather_rows_fp8():

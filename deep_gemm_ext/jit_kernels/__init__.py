@@ -6,9 +6,9 @@ import functools
 import torch
 
 from ..jit import select_compiler
-from .fp8_quant import (quantize_cols_fp8, quantize_cols_transposed_fp8, quantize_rows_fp8, swiglu_backward_fp8,
-                        swiglu_forward_fp8)
-from .gather_combine import combine_rows, combine_slots, gather_rows
+from .fp8_quant import (quantize_cols_fp8, quantize_cols_transposed_fp8, quantize_pool_rows_fp8, quantize_rows_fp8,
+                        swiglu_backward_fp8, swiglu_forward_fp8)
+from .gather_combine import combine_rows, combine_slots, gather_rows, zero_rows_past
 from .routing import routing_metadata
 from .sm90_bf16_grouped_gemm import (AwaitRows, Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
                                      m_grouped_bf16_gemm_nn_contiguous,
@@ -35,6 +35,7 @@ __all__ = ["AwaitRows", "Gather", "Scatter", "available", "combine_rows", "combi
            "k_grouped_bf16_gemm_tn_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nn_swiglu_bwd",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu",
-           "m_grouped_fp8_gemm_nt_contiguous", "quantize_cols_fp8", "quantize_cols_transposed_fp8", "quantize_rows_fp8",
+           "m_grouped_fp8_gemm_nt_contiguous", "quantize_cols_fp8", "quantize_cols_transposed_fp8", "quantize_pool_rows_fp8",
+           "quantize_rows_fp8",
            "routing_metadata", "swiglu_backward", "swiglu_backward_fp8", "swiglu_epilogue_supported", "swiglu_forward",
-           "swiglu_forward_fp8"]
+           "swiglu_forward_fp8", "zero_rows_past"]

@@ -234,6 +234,25 @@ def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | Non
     return data, scale
 
 
+def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool ``[P, K]`` whose row r is ``x[row_to_slot[r] // top_k]``, quantized 1x128 along K:
+    ``(data [P, K] e4m3, scale [P, ceil(K/128)] fp32)``. Each of ``x``'s T rows is quantized once
+    (:func:`quantize_rows_fp8`) and its data and scales are gathered (``gather_rows``): a row's tiles
+    do not depend on where it lands, so every used row has the bits of quantizing the gathered bf16
+    pool, from T rows of bf16 reads instead of P. Padding rows (``row_to_slot < 0``) and rows of
+    out-of-range tokens are zero in data and scale (the fused gathering quantizer writes the zero tile's
+    scale there; either way they dequantize to zeros). Where a scale row is not a whole number of
+    16-byte vectors (ceil(K/128) not a multiple of 4) the fused gathering quantizer runs instead."""
+    from .gather_combine import gather_rows
+
+    x = _check_bf16_input("x", x)
+    row_to_slot, top_k = _check_gather((row_to_slot, top_k), x.device)
+    if num_blocks(x.shape[1]) % 4 or x.shape[0] == 0:
+        return quantize_rows_fp8(x, gather=(row_to_slot, top_k))
+    data, scale = quantize_rows_fp8(x)
+    return gather_rows(data, row_to_slot, top_k), gather_rows(scale, row_to_slot, top_k)
+
+
 def swiglu_forward_fp8(h: torch.Tensor, clamp: float | None = None, *, return_act: bool = False,
                        out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None):
     """``act = silu(min(g, c)) * clamp(u, -c, c)`` of ``h = [g | u] [P, 2I]`` bf16, rounded to bf16 exactly

@@ -13,8 +13,8 @@ _THREADS = 256
 _WARPS = _THREADS // 32
 _CTAS_PER_SM = 8
 MAX_TOP_K = 32
-# Element sizes the gather serves: bf16 activations and (planned) fp8 ones.
-_GATHER_DTYPES = {torch.bfloat16: 2, torch.float8_e4m3fn: 1}
+# Element sizes the gather serves: bf16 activations, fp8 ones and their fp32 1x128 scales.
+_GATHER_DTYPES = {torch.bfloat16: 2, torch.float8_e4m3fn: 1, torch.float32: 4}
 
 
 def _gather_code(elem_bytes: int) -> str:
@@ -33,9 +33,13 @@ _COMBINE = {(w, s): (f"combine_{'slots' if s else 'rows'}_{'weighted' if w else 
             for s in (False, True) for w in (False, True)}
 
 
+_ZERO_PAST = ("zero_rows_past", _INCLUDE + "template __global__ void dge::zero_rows_past_kernel<uint4>"
+                                            "(void*, const int*, int, long long, int);\n")
+
+
 @jit.register("gather_combine")
 def configs():
-    return [(name, code, False) for name, code in [*_GATHER.values(), *_COMBINE.values()]]
+    return [(name, code, False) for name, code in [*_GATHER.values(), *_COMBINE.values(), _ZERO_PAST]]
 
 
 def _grid(rows: int, device) -> tuple[int, int, int]:
@@ -135,3 +139,27 @@ def _combine(o, slot_to_row, weights, top_k, *, slot_order: bool) -> torch.Tenso
             (o, slot_to_row, weight_arg, y, ctypes.c_int64(num_tokens), ctypes.c_int32(hidden),
              ctypes.c_int32(top_k), ctypes.c_int32(rows)))
     return y
+
+
+def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Sets rows ``[ends[-1], out.shape[0])`` of ``out`` to zero, in place, reading ``ends[-1]`` on the
+    device (the rows an M-grouped GEMM over ``ends`` leaves unwritten); returns ``out``. ``out``: a
+    contiguous CUDA tensor of rows whose byte width is a multiple of 16."""
+    _check_cuda("out", out)
+    if out.dim() != 2 or not out.is_contiguous() or (out.shape[1] * out.element_size()) % 16:
+        raise ValueError(f"out: expected a contiguous [rows, N] tensor with rows of a multiple of 16 bytes, got "
+                         f"{out.dtype} {tuple(out.shape)} (contiguous={out.is_contiguous()})")
+    _check_index("ends", ends, out.device)
+    rows, row_vecs = out.shape[0], out.shape[1] * out.element_size() // 16
+    if rows == 0 or row_vecs == 0:
+        return out
+    if ends.shape[0] == 0:
+        return out.zero_()
+    # Enough CTAs for the largest tail a pool can have (rows past the last expert are padding only),
+    # each thread striding from the tail's start.
+    grid = (max(1, min(-(-rows * row_vecs // _THREADS), jit.num_sms(out.device) * 4)), 1, 1)
+    with jit.device_guard(out):
+        jit.build(*_ZERO_PAST).launch(grid, (_THREADS, 1, 1),
+                                      (out, ends, ctypes.c_int32(ends.shape[0]), ctypes.c_int64(rows),
+                                       ctypes.c_int32(row_vecs)))
+    return out

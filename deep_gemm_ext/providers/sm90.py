@@ -71,7 +71,7 @@ class Sm90Provider(GemmProvider):
         g, a = _gather(gather, a)
         if isinstance(epilogue, SwigluForward):
             # h is an output of the layer: rows no expert owns are zero rather than stale memory.
-            h_out = a.new_zeros(meta.num_pool_rows, w.shape[1])
+            h_out = k.zero_rows_past(a.new_empty(meta.num_pool_rows, w.shape[1]), meta.ends)
             return k.m_grouped_bf16_gemm_nt_swiglu(a, w, meta.starts, meta.ends, epilogue.clamp, h_out=h_out, gather=g,
                                                    schedule=self.schedule)
         if isinstance(epilogue, SwigluBackward):
@@ -81,7 +81,8 @@ class Sm90Provider(GemmProvider):
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g, schedule=self.schedule)
-        out = a.new_zeros(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2]) if zero_unowned else None
+        out = _unowned_zeroed(a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2]), meta) \
+            if zero_unowned else None
         return gemm(a, w, meta.starts, meta.ends, out, gather=g, schedule=self.schedule)
 
     def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
@@ -93,7 +94,7 @@ class Sm90Provider(GemmProvider):
                 raise ValueError("an Fp8Rows operand is the pool itself: it takes no gather")
             a_q, sa = a
         elif gather is not None:
-            a_q, sa = k.quantize_rows_fp8(a, gather=(gather.row_to_slot, gather.top_k))
+            a_q, sa = k.quantize_pool_rows_fp8(a, gather.row_to_slot, gather.top_k)
         else:
             a_q, sa = k.quantize_rows_fp8(a)
         # Both orientations are K-major 128x128-block copies: "nn" (a @ W[e]) is NT over W's transpose.
@@ -102,7 +103,8 @@ class Sm90Provider(GemmProvider):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
                                                     mainloop=_FP8_MAINLOOP, cluster_n=_FP8_SCATTER_CLUSTER)
-        out = a_q.new_zeros(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16) if zero_unowned else None
+        out = _unowned_zeroed(a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16), meta) \
+            if zero_unowned else None
         return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP)
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
@@ -118,6 +120,12 @@ class Sm90Provider(GemmProvider):
         gb, b = _gather(gather_b, b)
         return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb,
                                                           schedule=self.schedule)
+
+
+def _unowned_zeroed(out: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+    """``out`` with the rows past the last expert's block zeroed (the GEMM writes all the others):
+    a kernel that reads where they start on the device, not a fill of the whole tensor."""
+    return _kernels.zero_rows_past(out, meta.ends)
 
 
 @functools.lru_cache(maxsize=None)

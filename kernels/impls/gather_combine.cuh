@@ -98,4 +98,22 @@ combine_rows_kernel(const __nv_bfloat16* __restrict__ o, const int* __restrict__
     }
 }
 
+// The rows of an M-grouped GEMM's output that no expert owns, [ends[E-1], num_rows), set to zero:
+// the GEMM writes every row of [0, ends[E-1]) (padding rows included), so only this tail needs a
+// value, and its start is read here on the device (no host sync). Vec-wide stores, grid-stride (a
+// template, as every kernel of a header must be, so only the instantiated ones land in a module).
+template <typename Vec>
+__global__ void __launch_bounds__(kGatherCombineThreads)
+zero_rows_past_kernel(void* __restrict__ out, const int* __restrict__ ends, int num_ends, i64 num_rows,
+                      int row_vecs) {
+    grid_dependency_wait();
+    const i64 last = num_ends > 0 ? static_cast<i64>(ends[num_ends - 1]) : 0;
+    const i64 first_row = last < 0 ? 0 : last > num_rows ? num_rows : last;
+    const i64 end = num_rows * row_vecs;
+    const i64 step = static_cast<i64>(gridDim.x) * blockDim.x;
+    Vec* dst = static_cast<Vec*>(out);
+    for (i64 v = first_row * row_vecs + static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; v < end; v += step)
+        dst[v] = Vec{};
+}
+
 }  // namespace dge
