@@ -1,8 +1,9 @@
 """Time the JIT kernels against their torch equivalents at Qwen3-30B-A3B T 16384 shapes.
 
 CUDA events around each call, L2 flushed before every timed call, median of the repeats; fresh
-random inputs. Also the host cost of a warm launch (perf_counter over 2000 launches). Prints a
-markdown table; ratios are torch time / our time, measured in the same run.
+random inputs. Also the layer's row gathers with plain and with evict-first pool stores
+(``gather_rows(stream_stores=)``), and the host cost of a warm launch (perf_counter over 2000
+launches). Prints markdown tables; ratios are measured in the same run.
 """
 from __future__ import annotations
 
@@ -132,6 +133,20 @@ def main() -> None:
         torch_us = time_us(torch_fn, args.repeats)
         results.append((name, ours_us, torch_us, gigabytes))
 
+    # The layer's gathers with plain and with evict-first (st.global.cs) pool stores, the L2 flushed
+    # first: the bf16 pools of the backward, the per-token e4m3 rows and fp32 scales of the fp8 recipe.
+    xq, xs_scale = quantize_rows_fp8(x)
+    gathers = [(f"bf16 rows [{T}, {H}] -> [{P}, {H}]", x), (f"e4m3 rows [{T}, {H}] -> [{P}, {H}]", xq),
+               (f"fp32 scales [{T}, {xs_scale.shape[1]}] -> [{P}, {xs_scale.shape[1]}]", xs_scale)]
+    store_rows = []
+    for name, src in gathers:
+        plain = gather_rows(src, meta.row_to_slot, K)
+        streamed = gather_rows(src, meta.row_to_slot, K, stream_stores=True)
+        same = torch.equal(plain.view(torch.uint8), streamed.view(torch.uint8))
+        plain_us = time_us(lambda src=src: gather_rows(src, meta.row_to_slot, K), args.repeats)
+        cs_us = time_us(lambda src=src: gather_rows(src, meta.row_to_slot, K, stream_stores=True), args.repeats)
+        store_rows.append((name, plain_us, cs_us, plain.numel() * plain.element_size() * gb, same))
+
     tiny_kernel = jit.build(*swiglu._FORWARD[False])
     h1 = torch.randn(1, 16, device=dev).bfloat16()
     a1 = torch.empty(1, 8, device=dev, dtype=torch.bfloat16)
@@ -147,6 +162,12 @@ def main() -> None:
     for name, ours_us, torch_us, gigabytes in results:
         print(f"| {name} | {ours_us:.1f} | {torch_us:.1f} | {torch_us / ours_us:.2f}x | "
               f"{gigabytes / (ours_us * 1e-6):.0f} |")
+    print("\n| gather (L2 flushed) | plain stores us | evict-first stores us | plain / evict-first | pool GB/s written "
+          "(evict-first) | same bytes |")
+    print("|---|---|---|---|---|---|")
+    for name, plain_us, cs_us, pool_gb, same in store_rows:
+        print(f"| {name} | {plain_us:.1f} | {cs_us:.1f} | {plain_us / cs_us:.2f}x | {pool_gb / (cs_us * 1e-6):.0f} "
+              f"| {same} |")
     print(f"\nrouting bit-identical to compute_routing_torch: {routing_ok}")
     xs = torch.randn(4096, 2048, device=dev).bfloat16()
     fp8_ok = all(torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a.view(torch.int32),

@@ -168,13 +168,14 @@ def _meta(num_tokens, num_experts, top_k, kind="unused_slots"):
     return compute_routing_torch(make_routing(num_tokens, num_experts, top_k, kind).to(DEVICE), num_experts, 128)
 
 
+@pytest.mark.parametrize("stream_stores", [False, True])
 @pytest.mark.parametrize("num_tokens,hidden", [(1000, 2048), (130, 136), (1, 8), (0, 64)])
-def test_gather_rows_exact(num_tokens, hidden):
+def test_gather_rows_exact(num_tokens, hidden, stream_stores):
     top_k = 4
     meta = _meta(num_tokens, 16, top_k)
     x = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
     poison_cached_memory()
-    pool = gather_rows(x, meta.row_to_slot, top_k)
+    pool = gather_rows(x, meta.row_to_slot, top_k, stream_stores=stream_stores)
     valid = meta.row_to_slot >= 0
     src = (meta.row_to_slot.long() // top_k).clamp(min=0)
     ref = torch.where(valid[:, None], x[src] if num_tokens else torch.zeros_like(pool), torch.zeros_like(pool))
@@ -214,10 +215,14 @@ def test_zero_rows_past_rejects_bad_arguments():
         zero_rows_past(torch.empty(256, 64, dtype=torch.bfloat16), ends)
 
 
-def test_gather_rows_fp8():
+@pytest.mark.parametrize("stream_stores", [False, True])
+@pytest.mark.parametrize("dtype,cols", [(torch.float8_e4m3fn, 256), (torch.float32, 16)])
+def test_gather_rows_fp8_and_scales(dtype, cols, stream_stores):
+    """e4m3 rows and fp32 scale rows (the per-token fp8 operands) gathered byte for byte."""
     meta = _meta(300, 8, 2)
-    x = torch.randn(300, 256, device=DEVICE).to(torch.float8_e4m3fn)
-    pool = gather_rows(x, meta.row_to_slot, 2)
+    x = torch.randn(300, cols, device=DEVICE).to(dtype)
+    poison_cached_memory()
+    pool = gather_rows(x, meta.row_to_slot, 2, stream_stores=stream_stores)
     valid = meta.row_to_slot >= 0
     ref = x.view(torch.uint8)[(meta.row_to_slot.long() // 2).clamp(min=0)] * valid[:, None]
     assert torch.equal(pool.view(torch.uint8), ref)

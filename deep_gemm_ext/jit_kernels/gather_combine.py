@@ -17,8 +17,9 @@ MAX_TOP_K = 32
 _GATHER_DTYPES = {torch.bfloat16: 2, torch.float8_e4m3fn: 1, torch.float32: 4}
 
 
-def _gather_code(elem_bytes: int) -> str:
-    return _INCLUDE + (f"template __global__ void dge::gather_rows_kernel<{elem_bytes}>"
+def _gather_code(elem_bytes: int, stream_stores: bool) -> str:
+    flag = "true" if stream_stores else "false"
+    return _INCLUDE + (f"template __global__ void dge::gather_rows_kernel<{elem_bytes}, {flag}>"
                        f"(const void*, const int*, void*, long long, int, int, int);\n")
 
 
@@ -28,7 +29,8 @@ def _combine_code(weighted: bool, slot_order: bool) -> str:
                        f"(const __nv_bfloat16*, const int*, const float*, __nv_bfloat16*, long long, int, int, int);\n")
 
 
-_GATHER = {b: (f"gather_rows_{8 * b}bit", _gather_code(b)) for b in sorted(set(_GATHER_DTYPES.values()))}
+_GATHER = {(b, cs): (f"gather_rows_{8 * b}bit{'_cs' if cs else ''}", _gather_code(b, cs))
+           for b in sorted(set(_GATHER_DTYPES.values())) for cs in (False, True)}
 _COMBINE = {(w, s): (f"combine_{'slots' if s else 'rows'}_{'weighted' if w else 'unweighted'}", _combine_code(w, s))
             for s in (False, True) for w in (False, True)}
 
@@ -65,8 +67,10 @@ def _check_top_k(top_k, limit: int | None = None) -> None:
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, {limit or 'inf'}]")
 
 
-def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> torch.Tensor:
-    """pool [P, H]: row r = x[row_to_slot[r] // top_k], zeros where row_to_slot[r] < 0."""
+def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, stream_stores: bool = False) -> torch.Tensor:
+    """pool [P, H]: row r = x[row_to_slot[r] // top_k], zeros where row_to_slot[r] < 0. ``stream_stores``
+    writes the pool with evict-first (``st.global.cs``) stores, which leave L2 to the source rows each of
+    which is read top_k times (same bits either way)."""
     _check_cuda("x", x)
     if x.dtype not in _GATHER_DTYPES:
         raise TypeError(f"x: dtype {x.dtype}, expected one of {list(_GATHER_DTYPES)}")
@@ -75,6 +79,8 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> torch
         raise ValueError(f"x: shape {tuple(x.shape)}, expected [T, H] with H * {elem} bytes a multiple of 16")
     _check_index("row_to_slot", row_to_slot, x.device)
     _check_top_k(top_k)
+    if not isinstance(stream_stores, bool):
+        raise ValueError(f"stream_stores={stream_stores!r}: expected a bool")
     x = x.contiguous()
     num_tokens, hidden = x.shape
     rows = row_to_slot.shape[0]
@@ -82,7 +88,7 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> torch
     if rows == 0 or hidden == 0:
         return pool
     with jit.device_guard(x):
-        jit.build(*_GATHER[elem]).launch(
+        jit.build(*_GATHER[elem, stream_stores]).launch(
             _grid(rows, x.device), (_THREADS, 1, 1),
             (x, row_to_slot, pool, ctypes.c_int64(rows), ctypes.c_int32(hidden), ctypes.c_int32(top_k),
              ctypes.c_int32(num_tokens)))

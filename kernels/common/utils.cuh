@@ -39,6 +39,13 @@ __device__ __forceinline__ uint4 load_stream_v4(const void* ptr) {
 
 __device__ __forceinline__ void store_v4(void* ptr, const uint4& v) { *reinterpret_cast<uint4*>(ptr) = v; }
 
+// Written once and not read again by this kernel: st.global.cs (evict-first in L1 and L2), so a
+// stream of such stores does not push out lines the kernel reads again (a gather's source rows).
+__device__ __forceinline__ void store_stream_v4(void* ptr, const uint4& v) {
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&out)[kBf16PerVec]) {
     const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll

@@ -14,8 +14,10 @@ namespace dge {
 constexpr int kGatherCombineThreads = 256;
 constexpr int kGatherCombineWarps = kGatherCombineThreads / kWarpSize;
 
-// Rows are copied as raw 16-byte vectors: one kernel per element size serves bf16 and fp8 pools.
-template <int kElemBytes>
+// Rows are copied as raw 16-byte vectors: one kernel per element size serves bf16 and fp8 pools (and
+// fp32 scale rows). Each source row is read top_k times, the pool written once: kStreamStores writes
+// the pool with evict-first stores so the source rows can stay in L2 between their reads.
+template <int kElemBytes, bool kStreamStores = false>
 __global__ void __launch_bounds__(kGatherCombineThreads)
 gather_rows_kernel(const void* __restrict__ x, const int* __restrict__ row_to_slot, void* __restrict__ pool,
                    i64 num_rows, int hidden, int top_k, int num_tokens) {
@@ -32,8 +34,13 @@ gather_rows_kernel(const void* __restrict__ x, const int* __restrict__ row_to_sl
                                : nullptr;
         uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(pool) + row * row_bytes);
 #pragma unroll 4
-        for (int v = lane_id(); v < vecs_per_row; v += kWarpSize)
-            store_v4(dst + v, src != nullptr ? load_stream_v4(src + v) : make_uint4(0, 0, 0, 0));
+        for (int v = lane_id(); v < vecs_per_row; v += kWarpSize) {
+            const uint4 value = src != nullptr ? load_stream_v4(src + v) : make_uint4(0, 0, 0, 0);
+            if constexpr (kStreamStores)
+                store_stream_v4(dst + v, value);
+            else
+                store_v4(dst + v, value);
+        }
     }
 }
 
