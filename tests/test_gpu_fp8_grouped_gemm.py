@@ -579,22 +579,50 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _assert_same_bits(got, want, where: str) -> None:
+def _assert_same_bits(got, want, where: str, between: str = "mainloop='overlap' and 'serial'") -> None:
     differ = (_bits(got) != _bits(want)).nonzero()
-    assert differ.numel() == 0, (f"{where}: {differ.shape[0]} elements differ between mainloop='overlap' and "
-                                 f"'serial', first at {differ[0].tolist()}: {got[tuple(differ[0])].item()} vs "
+    assert differ.numel() == 0, (f"{where}: {differ.shape[0]} elements differ between {between}, first at "
+                                 f"{differ[0].tolist()}: {got[tuple(differ[0])].item()} vs "
                                  f"{want[tuple(differ[0])].item()}")
+
+
+def _variants(ops, starts, ends, out_shape, variants, scatter=None):
+    """The GEMM under each keyword set of ``variants`` into NaN-poisoned outputs."""
+    outs = []
+    for kwargs in variants:
+        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, **kwargs) is out
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
 
 
 def _both(ops, starts, ends, out_shape, scatter=None):
     """The serial and the overlap GEMM into NaN-poisoned outputs."""
-    outs = []
-    for mainloop in ("serial", "overlap"):
-        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, mainloop=mainloop) is out
-        outs.append(out)
-    torch.cuda.synchronize()
-    return outs
+    return _variants(ops, starts, ends, out_shape, [dict(mainloop="serial"), dict(mainloop="overlap")], scatter)
+
+
+def _scatter_case(n, k, routing, seed):
+    """500 tokens, 8 experts, top-4 of ``routing``, Gaussian operands, random fp32 slot weights and the
+    mask of the slots no row feeds."""
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, top_k, e = 500, 4, 8
+    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
+    ops = _gaussian_operands(rows, k, e, n, pad, g)
+    num_slots = num_tokens * top_k
+    weights = torch.rand(num_tokens, top_k, generator=g).cuda()
+    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    unused[meta.row_to_slot[meta.row_to_slot >= 0].long()] = False
+    return starts, ends, rows, ops, meta, num_slots, weights, unused
+
+
+def _routed_operands(n, k, routing, data, seed):
+    """A 600-token, 12-expert top-4 pool of ``routing`` with Gaussian or integer operands."""
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
+    ops = (_gaussian_operands(rows, k, 12, n, pad, g) if data == "gaussian"
+           else _int_operands(rows, k, 12, n, pad, g, exact=False))
+    return starts, ends, rows, ops
 
 
 # K = 16 .. 2048: 1 to 16 k-blocks, odd and even counts (the overlap schedule's two tails), ragged
@@ -613,10 +641,7 @@ def test_overlap_mainloop_is_bit_identical_to_serial(n, k, routing, data, exact_
     # roundings.
     seed = 3000 + 1000 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 7 \
         + len(data)
-    g = torch.Generator().manual_seed(seed)
-    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
-    ops = (_gaussian_operands(rows, k, 12, n, pad, g) if data == "gaussian"
-           else _int_operands(rows, k, 12, n, pad, g, exact=False))
+    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
     serial, overlap = _both(ops, starts, ends, (rows, n))
     where = f"seed={seed} n={n} k={k} {routing} {data}"
     _assert_same_bits(overlap, serial, where)
@@ -671,15 +696,8 @@ def test_overlap_mainloop_scatter_epilogues(routing, k, exact_fp32_matmul):
     # Both scatter epilogues (unweighted, weighted with random fp32 weights) bit-identical under the
     # two mainloops; unused slots stay NaN.
     seed = 71 + len(routing) + k
-    g = torch.Generator().manual_seed(seed)
-    num_tokens, top_k, e, n = 500, 4, 8, 384
-    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
-    ops = _gaussian_operands(rows, k, e, n, pad, g)
-    num_slots = num_tokens * top_k
-    weights = torch.rand(num_tokens, top_k, generator=g).cuda()
-    real = meta.row_to_slot >= 0
-    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
-    unused[meta.row_to_slot[real].long()] = False
+    n = 384
+    starts, ends, rows, ops, meta, num_slots, weights, unused = _scatter_case(n, k, routing, seed)
     for w in (None, weights):
         scatter = gg.Scatter(meta.row_to_slot, num_slots, w)
         serial, overlap = _both(ops, starts, ends, (num_slots, n), scatter=scatter)
@@ -704,21 +722,12 @@ def test_overlap_mainloop_deterministic(exact_fp32_matmul):
 
 def _tiles(ops, starts, ends, out_shape, scatter=None, cluster_n=1):
     """The 128-wide and the 192-wide GEMM (serial mainloop) into NaN-poisoned outputs."""
-    outs = []
-    for block_n in (128, 192):
-        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, block_n=block_n,
-                                                cluster_n=cluster_n) is out
-        outs.append(out)
-    torch.cuda.synchronize()
-    return outs
+    return _variants(ops, starts, ends, out_shape, [dict(block_n=b, cluster_n=cluster_n) for b in (128, 192)],
+                     scatter)
 
 
 def _assert_tile_bits(wide, narrow, where: str) -> None:
-    differ = (_bits(wide) != _bits(narrow)).nonzero()
-    assert differ.numel() == 0, (f"{where}: {differ.shape[0]} elements differ between block_n=192 and 128, first "
-                                 f"at {differ[0].tolist()}: {wide[tuple(differ[0])].item()} vs "
-                                 f"{narrow[tuple(differ[0])].item()}")
+    _assert_same_bits(wide, narrow, where, between="block_n=192 and 128")
 
 
 # N: tiles starting on a weight-scale block (n0 % 128 == 0) and half-way into one (64), a last tile past N
@@ -736,10 +745,7 @@ def test_n192_tiles_match_n128(n, k, routing, data, exact_fp32_matmul):
     # on their own, the 192-wide outputs against the emulation too.
     seed = 5000 + 997 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 11 \
         + len(data)
-    g = torch.Generator().manual_seed(seed)
-    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
-    ops = (_gaussian_operands(rows, k, 12, n, pad, g) if data == "gaussian"
-           else _int_operands(rows, k, 12, n, pad, g, exact=False))
+    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
     narrow, wide = _tiles(ops, starts, ends, (rows, n))
     where = f"seed={seed} n={n} k={k} {routing} {data}"
     _check(wide, *ops, starts, ends, mode="realistic" if data == "gaussian" else "fp32", what=where + " n192")
@@ -766,15 +772,7 @@ def test_n192_tiles_scatter_epilogues_and_clusters(routing, n, cluster_n, exact_
     # Both scatter epilogues, clusters of 1 and 2 (B multicast with three 64-row atoms: CTA r loads the
     # atoms j with j % 2 == r): the same bits as the 128-wide tile; unused slots stay NaN.
     seed = 91 + len(routing) + n + cluster_n
-    g = torch.Generator().manual_seed(seed)
-    num_tokens, top_k, e, k = 500, 4, 8, 768
-    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
-    ops = _gaussian_operands(rows, k, e, n, pad, g)
-    num_slots = num_tokens * top_k
-    weights = torch.rand(num_tokens, top_k, generator=g).cuda()
-    real = meta.row_to_slot >= 0
-    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
-    unused[meta.row_to_slot[real].long()] = False
+    starts, ends, rows, ops, meta, num_slots, weights, unused = _scatter_case(n, 768, routing, seed)
     for w in (None, weights):
         scatter = gg.Scatter(meta.row_to_slot, num_slots, w)
         narrow, wide = _tiles(ops, starts, ends, (num_slots, n), scatter=scatter, cluster_n=cluster_n)
