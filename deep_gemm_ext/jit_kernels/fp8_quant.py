@@ -32,6 +32,7 @@ import torch
 
 from .. import jit
 from ..jit import KernelArg
+from .gather_combine import gather_rows
 from .swiglu import _check_backward_args, _check_clamp
 
 FP8_BLOCK = 128
@@ -243,8 +244,6 @@ def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: in
     out-of-range tokens are zero in data and scale (the fused gathering quantizer writes the zero tile's
     scale there; either way they dequantize to zeros). Where a scale row is not a whole number of
     16-byte vectors (ceil(K/128) not a multiple of 4) the fused gathering quantizer runs instead."""
-    from .gather_combine import gather_rows
-
     x = _check_bf16_input("x", x)
     row_to_slot, top_k = _check_gather((row_to_slot, top_k), x.device)
     if num_blocks(x.shape[1]) % 4 or x.shape[0] == 0:
