@@ -66,7 +66,7 @@ TILES = {"cooperative": (Tile(256, 4), Tile(128, 6)), "pingpong": (Tile(128, 6),
 SCHEDULES = tuple(TILES)
 #: The tile widths each schedule's kernel takes (GemmTraits' static_asserts), and their stages.
 _WIDTHS = {"cooperative": (256, 128), "pingpong": (128,)}
-_STAGES = {256: 4, 128: 6, 192: 4}
+_STAGES = {256: 4, 128: 6}
 
 #: The core kernel's arguments before the epilogue's (kernels/impls/sm90_bf16_grouped_gemm.cuh).
 CORE_ARGS = (
@@ -147,9 +147,6 @@ MAINLOOPS = {
 #: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, 128-wide cooperative tiles,
 #: the plain TMA loader.
 _FP8_BLOCK_N = 128
-#: N tiles of the M-grouped fp8 GEMM: 128, or 192 (serial mainloop only: 96 + 96 accumulator registers,
-#: a tile straddling two 128-column weight-scale blocks).
-FP8_BLOCK_NS = (128, 192)
 _FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: Schedules of the fp8 mainloop (MainloopFP8's kOverlapPromotion), each with its C++ policy: "serial"
 #: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
@@ -200,10 +197,9 @@ class GemmConfig:
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
             raise ValueError(f"GemmConfig: schedule={self.schedule!r}, expected one of {SCHEDULES}")
-        widths = FP8_BLOCK_NS if (self.dtype == "fp8" and self.layout == "nt") else _WIDTHS[self.schedule]
-        if self.block_n not in widths:
+        if self.block_n not in _WIDTHS[self.schedule]:
             raise ValueError(f"GemmConfig: block_n={self.block_n} with schedule={self.schedule!r}, expected one of "
-                             f"{widths}")
+                             f"{_WIDTHS[self.schedule]}")
         if self.dtype not in MAINLOOPS:
             raise ValueError(f"GemmConfig: dtype={self.dtype!r}, expected one of {tuple(MAINLOOPS)}")
         if self.layout not in _TYPES:
@@ -217,10 +213,9 @@ class GemmConfig:
             if wrong:
                 raise ValueError(f"GemmConfig: dtype='fp8' with layout='k_nt' takes {fp8}, got {wrong}")
         elif self.dtype == "fp8":
-            fp8 = dict(layout="nt", paired_n=False, gather_a=None, gather_b=False, schedule="cooperative")
+            fp8 = dict(layout="nt", block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False,
+                       schedule="cooperative")
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
-            if self.block_n != _FP8_BLOCK_N and self.fp8_mainloop != "serial":
-                wrong["fp8_mainloop"] = self.fp8_mainloop  # two partial sets of a 192-wide slice do not fit
             if wrong or self.epilogue not in _FP8_EPILOGUES:
                 raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8} and an epilogue of {_FP8_EPILOGUES}, got "
                                  f"{wrong or {'epilogue': self.epilogue}}")

@@ -39,8 +39,7 @@ from __future__ import annotations
 import torch
 
 from .. import jit
-from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_BLOCK_NS, FP8_MAINLOOPS, GemmConfig, Scatter,
-                                     _check_cluster,
+from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_MAINLOOPS, GemmConfig, Scatter, _check_cluster,
                                      _check_expert_weight, _check_inputs, _check_multiple, _check_out, _check_scatter,
                                      _check_tensor, _launch, _store_or_scatter_args)
 
@@ -56,11 +55,9 @@ MAINLOOP_SCHEDULES = tuple(FP8_MAINLOOPS)
 
 
 def _configs() -> list[GemmConfig]:
-    # Clusters of 1, then of 2 (adjacent M blocks sharing the B tile by multicast); 128-wide tiles under
-    # both mainloops, 192-wide ones under the serial one.
-    return [GemmConfig("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop, cluster_n=cluster)
-            for block_n in FP8_BLOCK_NS for cluster in (1, 2)
-            for mainloop in (MAINLOOP_SCHEDULES if block_n == _FP8_BLOCK_N else ("serial",))
+    # Clusters of 1, then of 2 (adjacent M blocks sharing the B tile by multicast).
+    return [GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop, cluster_n=cluster)
+            for cluster in (1, 2) for mainloop in MAINLOOP_SCHEDULES
             for epilogue in ("store", "scatter", "scatter_weighted")]
 
 
@@ -85,7 +82,7 @@ def _blocks(size: int) -> int:
 def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: torch.Tensor, sb: torch.Tensor,
                                      starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None, *,
                                      scatter: Scatter | None = None, mainloop: str = "serial",
-                                     cluster_n: int = 1, block_n: int = _FP8_BLOCK_N) -> torch.Tensor:
+                                     cluster_n: int = 1) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = dequant(a_q, sa)[r] @ dequant(b_q, sb)[e].T`` for every pool row r
     of expert e, accumulated in fp32 with the scales applied per 128-wide k-block (module docstring).
 
@@ -96,17 +93,10 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     and row r goes to out[row_to_slot[r]] (times the slot's weight when given), as in
     ``m_grouped_bf16_gemm_nt_contiguous``. ``mainloop``: the mainloop's schedule, "serial" or "overlap"
     (MAINLOOP_SCHEDULES), the same bits under both. ``cluster_n``: CTAs per cluster (1 or 2: adjacent
-    M blocks share the B tile by multicast), the same bits under both. ``block_n``: the N tile,
-    FP8_BLOCK_NS (192: serial mainloop only; each output element's k-block partial sums and promotion
-    are those of the 128-wide tile).
+    M blocks share the B tile by multicast), the same bits under both.
     """
     if not isinstance(mainloop, str) or mainloop not in MAINLOOP_SCHEDULES:
         raise ValueError(f"mainloop={mainloop!r}: expected one of {MAINLOOP_SCHEDULES}")
-    if isinstance(block_n, bool) or block_n not in FP8_BLOCK_NS:
-        raise ValueError(f"block_n={block_n!r}: expected one of {FP8_BLOCK_NS}")
-    if block_n != _FP8_BLOCK_N and mainloop != "serial":
-        raise ValueError(f"block_n={block_n} with mainloop={mainloop!r}: the {block_n}-wide tile runs the serial "
-                         f"mainloop only (two partial sums of its slice do not fit the registers)")
     _check_cluster(cluster_n)
     # Types and shapes first (checkable anywhere), then devices.
     for label, t, dim, dtype in (("a_q", a_q, 2, FP8_DTYPE), ("sa", sa, 2, torch.float32), ("b_q", b_q, 3, FP8_DTYPE),
@@ -136,11 +126,12 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
-    config = GemmConfig("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop, cluster_n=cluster_n)
+    config = GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
+                        cluster_n=cluster_n)
     with jit.device_guard(a_q):
         b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
         _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,
-                -(-rows // _BLOCK_M) * -(-n // block_n), mainloop_args=dict(scale_a=sa, scale_b=sb))
+                -(-rows // _BLOCK_M) * -(-n // _FP8_BLOCK_N), mainloop_args=dict(scale_a=sa, scale_b=sb))
     return out
 
 

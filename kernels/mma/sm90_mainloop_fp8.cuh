@@ -36,12 +36,6 @@
 // loads, per k-block, the scales of its accumulator columns (2 per 8-column group of the m64n128
 // fragment: 32), and promotes each element with sa[row] * sb[col].
 //
-// 128 x 192 tiles (M-grouped, serial schedule; acc 96 + partial 96 registers): a tile's columns
-// [n0, n0 + 192) span two 128-column blocks of B's scales, switching after the first 128 - n0 % 128
-// of them (n0 % 128 is 0 or 64), so a thread promotes each 8-column group of its fragment with the
-// first or the second block's scale; past N the second block is the last one's (those columns are
-// not stored).
-//
 // Both compute the same per-k-block partial sums (the same wgmmas on the same stages, scale-d = 0
 // on the first) and promote them in k-block order with the same fmaf, so the results are equal bit
 // for bit.
@@ -65,12 +59,7 @@ struct MainloopFP8 {
     static_assert(Traits::kElement == ElementType::E4M3, "MainloopFP8: e4m3 operands");
     static constexpr uint32_t kScaleBlock = 128;
     static_assert(Traits::kBlockK == kScaleBlock, "MainloopFP8: one k-block per scale block");
-    // 192-wide tiles straddle two B scale blocks (TwoBlockScales below): M-grouped, serial schedule.
-    static constexpr bool kTwoBlocksB = Traits::BLOCK_N == 192;
-    static_assert(Traits::BLOCK_N == kScaleBlock ||
-                      (kTwoBlocksB && !Traits::kKGrouped && !kOverlapPromotion),
-                  "MainloopFP8: 128-wide tiles (one B scale block per tile and k-block), or 192-wide M-grouped "
-                  "tiles on the serial schedule (two)");
+    static_assert(Traits::BLOCK_N == kScaleBlock, "MainloopFP8: one B scale block per tile and k-block");
     using MMA = mma::WgmmaE4M3<Traits::BLOCK_N>;
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     static constexpr uint32_t kNumAccum = MMA::kNumAccum;
@@ -91,21 +80,8 @@ struct MainloopFP8 {
         uint32_t max_dc;
         uint32_t stride;
     };
-    // 192-wide tiles: the two weight-block scale rows of the tile and how many of the fragment's
-    // 8-column groups take the first (the rest take the second).
-    struct TwoBlockScalesPtr {
-        const float* first;
-        const float* second;
-        uint32_t split;
-    };
-    struct TwoBlockScales {
-        float first;
-        float second;
-        uint32_t split;
-    };
-    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales,
-                                          std::conditional_t<kTwoBlocksB, TwoBlockScalesPtr, const float*>>;
-    using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], std::conditional_t<kTwoBlocksB, TwoBlockScales, float>>;
+    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;
+    using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], float>;
 
     struct Params {
         const float* scale_a;
@@ -349,36 +325,6 @@ private:
         }
     }
 
-    // 192-wide tiles: accumulator i is in the fragment's 8-column group i / 4, which lies in the first
-    // or the second weight block. The products are the 128-wide tile's (sa[row] * sb, then fmaf).
-    // The switch point is one of two per tile (n0 % 128 is 0 or 64): a uniform branch to a promotion
-    // with it fixed at compile time, no per-element select (the wgmmas have all completed here).
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
-                                                   const float (&partial)[kSlices][kNumAccum],
-                                                   const float (&sa)[kSlices][2], const TwoBlockScales& sb) {
-        if (sb.split == 16)
-            promote_two_blocks<16>(acc, partial, sa, sb);
-        else
-            promote_two_blocks<8>(acc, partial, sa, sb);
-    }
-    template <uint32_t kSplit, uint32_t kSlices>
-    __device__ __forceinline__ static void promote_two_blocks(float (&acc)[kSlices][kNumAccum],
-                                                              const float (&partial)[kSlices][kNumAccum],
-                                                              const float (&sa)[kSlices][2], const TwoBlockScales& sb) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            const float lo0 = sa[s][0] * sb.first, hi0 = sa[s][1] * sb.first;
-#pragma unroll
-            for (uint32_t i = 0; i < 4 * kSplit; ++i)
-                acc[s][i] = fmaf(partial[s][i], (i & 2) ? hi0 : lo0, acc[s][i]);
-            const float lo1 = sa[s][0] * sb.second, hi1 = sa[s][1] * sb.second;
-#pragma unroll
-            for (uint32_t i = 4 * kSplit; i < kNumAccum; ++i)
-                acc[s][i] = fmaf(partial[s][i], (i & 2) ? hi1 : lo1, acc[s][i]);
-        }
-    }
-
     // Where each thread's row scales (its two rows of every 64-row slice) and the tile's weight-block
     // scales start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w, lane l) of
     // the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the
@@ -404,14 +350,6 @@ private:
             const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
             const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
             return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
-        } else if constexpr (kTwoBlocksB) {
-            const uint32_t n0 = tile.n_block * Traits::BLOCK_N;
-            const uint32_t block0 = n0 / kScaleBlock;  // < n_blocks: the tile starts inside N
-            const uint32_t block1 = min(block0 + 1, params.n_blocks - 1);
-            const float* expert = params.scale_b + static_cast<uint64_t>(tile.expert) * params.n_blocks * params.k_blocks;
-            return TwoBlockScalesPtr{expert + static_cast<uint64_t>(block0) * params.k_blocks,
-                                     expert + static_cast<uint64_t>(block1) * params.k_blocks,
-                                     (kScaleBlock - n0 % kScaleBlock) / 8};
         } else {
             return params.scale_b +
                    (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
@@ -419,8 +357,6 @@ private:
     }
 
     __device__ __forceinline__ static void zero_scales_b(float& sb) { sb = 0.0f; }
-    __device__ __forceinline__ static void zero_scales_b(TwoBlockScales& sb) { sb = TwoBlockScales{0.0f, 0.0f, 0}; }
-    __device__ __forceinline__ static void copy_scales_b(TwoBlockScales& sb, const TwoBlockScales& next) { sb = next; }
     __device__ __forceinline__ static void zero_scales_b(float (&sb)[kNumScalesB]) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumScalesB; ++i)
@@ -447,18 +383,6 @@ private:
             const uint32_t dc = min(8 * (i / 2) + (i & 1), sb_ptr.max_dc);
             sb[i] = __ldg(sb_ptr.base + static_cast<uint64_t>(dc) * sb_ptr.stride + kb);
         }
-    }
-
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], TwoBlockScales& sb,
-                                                       const float* (&sa_ptr)[kSlices][2], const TwoBlockScalesPtr& sb_ptr,
-                                                       uint32_t kb) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            sa[s][0] = __ldg(sa_ptr[s][0] + kb);
-            sa[s][1] = __ldg(sa_ptr[s][1] + kb);
-        }
-        sb = TwoBlockScales{__ldg(sb_ptr.first + kb), __ldg(sb_ptr.second + kb), sb_ptr.split};
     }
 
     template <uint32_t kSlices>
