@@ -200,6 +200,7 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
             dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,
                                                                                   plan.kernels)
             dh_l1 = Fp8Rows(*dh_rows)
+            del dh_rows  # dh_l1 alone holds the e4m3 dh: freed after the L1 dgrad, before dW1's output
         else:
             dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp, plan.kernels)
             dh_l1 = dh

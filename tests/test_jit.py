@@ -326,3 +326,33 @@ def test_launch_without_gpu_is_a_clear_error(cache_dir):
 def test_make_tma_2d_rejects_host_tensors():
     with pytest.raises(ValueError, match="CUDA tensor"):
         jit.make_tma_2d(torch.zeros(64, 64, dtype=torch.bfloat16), 64, 64)
+
+
+def test_pack_args_fast_path_matches_the_checked_one():
+    """The cached per-declaration packers give the checked packer's tuple (and its errors)."""
+    import ctypes
+    from deep_gemm_ext.jit.args import _pack_checked
+    decl = (jit.KernelArg("a", "const int*"), jit.KernelArg("b", "float*", True), jit.KernelArg("n", "uint32_t"),
+            jit.KernelArg("i", "int"), jit.KernelArg("f", "float"), jit.KernelArg("raw", "const void*", True),
+            jit.KernelArg("q", "unsigned long long"))
+    a, b = torch.zeros(2, dtype=torch.int32), torch.zeros(3)
+    cases = [dict(a=a, b=b, n=5, i=-7, f=1.5, raw=None, q=2 ** 63),
+             dict(a=torch.nn.Parameter(a.float(), requires_grad=False).int(), b=None, n=0, i=3, f=2, raw=b, q=0)]
+    for values in cases:
+        for _ in range(2):  # first call builds the packers, the second uses them
+            got, ref = jit.pack_args("k", decl, **values), _pack_checked("k", decl, values)
+            assert len(got) == len(ref)
+            for g, r in zip(got, ref):
+                if isinstance(r, torch.Tensor):
+                    assert g is r
+                else:
+                    assert type(g) is type(r) and g.value == r.value and isinstance(g, ctypes._SimpleCData)
+    for bad, message in ((dict(n=True), "expected an int in"), (dict(n=2 ** 32), "expected an int in"),
+                         (dict(b=a), "float32 tensor or None"), (dict(raw=3), "tensor or None, got int"),
+                         (dict(f="x"), "expected a float"), (dict(a=None), "expected a torch.int32 tensor")):
+        with pytest.raises(TypeError, match=message):
+            jit.pack_args("k", decl, **(cases[0] | bad))
+    with pytest.raises(TypeError, match="missing \\['q'\\]"):
+        jit.pack_args("k", decl, **{k: v for k, v in cases[0].items() if k != "q"})
+    with pytest.raises(TypeError, match="unexpected \\['z'\\]"):
+        jit.pack_args("k", decl, **(cases[0] | dict(z=1)))

@@ -88,8 +88,51 @@ def _pack_one(kernel: str, arg: KernelArg, value):
     return ctypes.c_float(value)
 
 
+def _fast_packer(arg: KernelArg):
+    """``value -> packed`` for the common case of ``arg`` (an exact tensor of the right dtype, an int
+    in range, a TensorMap), handing everything else to :func:`_pack_one` (which packs or raises the
+    same error it always does)."""
+    if arg.ctype in _POINTER_DTYPES:
+        dtype = _POINTER_DTYPES[arg.ctype]
+        if arg.nullable:
+            if dtype is None:
+                return lambda kernel, v: (ctypes.c_uint64(0) if v is None else v if isinstance(v, torch.Tensor)
+                                          else _pack_one(kernel, arg, v))
+            return lambda kernel, v: (ctypes.c_uint64(0) if v is None else v if type(v) is torch.Tensor and
+                                      v.dtype == dtype else _pack_one(kernel, arg, v))
+        if dtype is None:
+            return lambda kernel, v: v if isinstance(v, torch.Tensor) else _pack_one(kernel, arg, v)
+        return lambda kernel, v: v if type(v) is torch.Tensor and v.dtype == dtype else _pack_one(kernel, arg, v)
+    if arg.ctype == "CUtensorMap":
+        return lambda kernel, v: v if type(v) is TensorMap else _pack_one(kernel, arg, v)
+    kind = _SCALARS[arg.ctype]
+    if kind in _INT_RANGES:
+        low, high, _ = _INT_RANGES[kind]
+        return lambda kernel, v: kind(v) if type(v) is int and low <= v < high else _pack_one(kernel, arg, v)
+    return lambda kernel, v: kind(v) if type(v) is float else _pack_one(kernel, arg, v)
+
+
+#: id(args) -> (args, names, packers): a declaration's packers, built on its first launch.
+_PACKERS: dict[int, tuple] = {}
+
+
 def pack_args(kernel: str, args: tuple[KernelArg, ...], **values) -> tuple:
     """The launch tuple of ``args`` from values given by name, each checked against its type."""
+    entry = _PACKERS.get(id(args))
+    if entry is None or entry[0] is not args:
+        if len(_PACKERS) >= 512:  # declarations are module constants: only a caller building them per call gets here
+            _PACKERS.clear()
+        entry = _PACKERS[id(args)] = (args, tuple(arg.name for arg in args), tuple(_fast_packer(a) for a in args))
+    _, names, packers = entry
+    if len(values) == len(names):
+        try:
+            return tuple([pack(kernel, values[name]) for name, pack in zip(names, packers)])
+        except KeyError:
+            pass  # a name missing: the checks below say which
+    return _pack_checked(kernel, args, values)
+
+
+def _pack_checked(kernel: str, args: tuple[KernelArg, ...], values: dict) -> tuple:
     if len(values) != len(args) or any(arg.name not in values for arg in args):
         names = [arg.name for arg in args]
         missing = [name for name in names if name not in values]

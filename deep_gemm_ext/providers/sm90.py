@@ -28,6 +28,11 @@ _FP8_MAINLOOP = "overlap"
 # Qwen3-30B T16384 and Qwen3-235B T8192, bits equal (docs/perf-notes.md v11); the other fp8 and the
 # bf16 GEMMs measured 0.89-1.03x and keep one CTA.
 _FP8_SCATTER_CLUSTER = 2
+# The fp8 GEMMs with the store epilogue (the L1 forward, the L2 dgrad) run in clusters of 2 where the
+# output is at least 1536 columns wide: 1.04-1.08x of one CTA at Qwen3-30B T16384 and Qwen3-235B T8192
+# (L1 forward N = 1536 / 3072, L2 dgrad N = 1536), where the 768-wide L2 dgrad at Qwen3-30B measured
+# 0.92x (docs/perf-notes.md v21).
+_FP8_STORE_CLUSTER_MIN_N = 1536
 
 
 def _gather(g: Gather | None, src):
@@ -105,7 +110,9 @@ class Sm90Provider(GemmProvider):
                                                     mainloop=_FP8_MAINLOOP, cluster_n=_FP8_SCATTER_CLUSTER)
         out = _unowned_zeroed(a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16), meta) \
             if zero_unowned else None
-        return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP)
+        cluster = 2 if b_q.shape[1] >= _FP8_STORE_CLUSTER_MIN_N else 1
+        return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP,
+                                                cluster_n=cluster)
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8 and recipe.fp8_wgrad:
