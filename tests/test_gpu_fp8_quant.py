@@ -245,10 +245,12 @@ def test_quantize_rows_gather_matches_pool(prebuilt, kind, num_tokens, num_exper
 
 
 @requires_hopper
+@pytest.mark.parametrize("token_order", [False, True])
 @pytest.mark.parametrize("kind", ["uniform", "empty_experts", "unused_slots", "one_expert"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden", [(1, 4, 2, 512), (300, 16, 4, 2048),
                                                                   (129, 64, 8, 7168), (77, 8, 2, 256)])
-def test_quantize_pool_rows_matches_gathering_quantizer(prebuilt, kind, num_tokens, num_experts, top_k, hidden):
+def test_quantize_pool_rows_matches_gathering_quantizer(prebuilt, kind, num_tokens, num_experts, top_k, hidden,
+                                                        token_order):
     """Per token, then gathered: every used row's data and scales bit for bit those of the gathering
     quantizer; padding rows zero data and scale 0 (or, where a scale row is not whole 16-byte vectors,
     H = 256, the gathering quantizer itself, with the zero tile's scale)."""
@@ -259,8 +261,9 @@ def test_quantize_pool_rows_matches_gathering_quantizer(prebuilt, kind, num_toke
     x = _make_rows(num_tokens, hidden, seed)
     ref = quantize_rows_fp8(x, gather=(meta.row_to_slot, top_k))
     poison_cached_memory(0xFF)
-    data, scale = fp8_quant.quantize_pool_rows_fp8(x, meta.row_to_slot, top_k)
-    what = f"pool kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} seed={seed}"
+    data, scale = fp8_quant.quantize_pool_rows_fp8(x, meta.row_to_slot, top_k,
+                                                   slot_to_row=meta.slot_to_row if token_order else None)
+    what = f"pool kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} seed={seed} token_order={token_order}"
     used = meta.row_to_slot >= 0
     assert used.any(), what
     assert torch.equal(data[used].view(torch.uint8), ref[0][used].view(torch.uint8)), what

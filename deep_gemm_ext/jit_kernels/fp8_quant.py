@@ -235,7 +235,8 @@ def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | Non
     return data, scale
 
 
-def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *,
+                           slot_to_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pool ``[P, K]`` whose row r is ``x[row_to_slot[r] // top_k]``, quantized 1x128 along K:
     ``(data [P, K] e4m3, scale [P, ceil(K/128)] fp32)``. Each of ``x``'s T rows is quantized once
     (:func:`quantize_rows_fp8`) and its data and scales are gathered (``gather_rows``): a row's tiles
@@ -243,7 +244,8 @@ def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: in
     pool, from T rows of bf16 reads instead of P. Padding rows (``row_to_slot < 0``) and rows of
     out-of-range tokens are zero in data and scale (the fused gathering quantizer writes the zero tile's
     scale there; either way they dequantize to zeros). Where a scale row is not a whole number of
-    16-byte vectors (ceil(K/128) not a multiple of 4) the fused gathering quantizer runs instead."""
+    16-byte vectors (ceil(K/128) not a multiple of 4) the fused gathering quantizer runs instead.
+    ``slot_to_row``: the gathers run in token order (``gather_rows(slot_to_row=)``), same bits."""
     x = _check_bf16_input("x", x)
     row_to_slot, top_k = _check_gather((row_to_slot, top_k), x.device)
     if num_blocks(x.shape[1]) % 4 or x.shape[0] == 0:
@@ -251,8 +253,8 @@ def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: in
     data, scale = quantize_rows_fp8(x)
     # Evict-first pool stores: 1.04x (e4m3 rows) and 1.42x (scales) of plain stores at Qwen3-30B T16384
     # (docs/perf-notes.md v21); same bytes.
-    return (gather_rows(data, row_to_slot, top_k, stream_stores=True),
-            gather_rows(scale, row_to_slot, top_k, stream_stores=True))
+    return (gather_rows(data, row_to_slot, top_k, stream_stores=True, slot_to_row=slot_to_row),
+            gather_rows(scale, row_to_slot, top_k, stream_stores=True, slot_to_row=slot_to_row))
 
 
 def swiglu_forward_fp8(h: torch.Tensor, clamp: float | None = None, *, return_act: bool = False,

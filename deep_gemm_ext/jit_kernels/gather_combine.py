@@ -23,6 +23,12 @@ def _gather_code(elem_bytes: int, stream_stores: bool) -> str:
                        f"(const void*, const int*, void*, long long, int, int, int);\n")
 
 
+def _scatter_code(elem_bytes: int, stream_stores: bool) -> str:
+    flag = "true" if stream_stores else "false"
+    return _INCLUDE + (f"template __global__ void dge::scatter_token_rows_kernel<{elem_bytes}, {flag}>"
+                       f"(const void*, const int*, const int*, void*, long long, int, int, long long);\n")
+
+
 def _combine_code(weighted: bool, slot_order: bool) -> str:
     flags = ", ".join("true" if f else "false" for f in (weighted, slot_order))
     return _INCLUDE + (f"template __global__ void dge::combine_rows_kernel<{flags}>"
@@ -31,6 +37,8 @@ def _combine_code(weighted: bool, slot_order: bool) -> str:
 
 _GATHER = {(b, cs): (f"gather_rows_{8 * b}bit{'_cs' if cs else ''}", _gather_code(b, cs))
            for b in sorted(set(_GATHER_DTYPES.values())) for cs in (False, True)}
+_SCATTER = {(b, cs): (f"gather_token_rows_{8 * b}bit{'_cs' if cs else ''}", _scatter_code(b, cs))
+            for b in sorted(set(_GATHER_DTYPES.values())) for cs in (False, True)}
 _COMBINE = {(w, s): (f"combine_{'slots' if s else 'rows'}_{'weighted' if w else 'unweighted'}", _combine_code(w, s))
             for s in (False, True) for w in (False, True)}
 
@@ -41,7 +49,8 @@ _ZERO_PAST = ("zero_rows_past", _INCLUDE + "template __global__ void dge::zero_r
 
 @jit.register("gather_combine")
 def configs():
-    return [(name, code, False) for name, code in [*_GATHER.values(), *_COMBINE.values(), _ZERO_PAST]]
+    return [(name, code, False) for name, code in [*_GATHER.values(), *_SCATTER.values(), *_COMBINE.values(),
+                                                    _ZERO_PAST]]
 
 
 def _grid(rows: int, device) -> tuple[int, int, int]:
@@ -67,10 +76,14 @@ def _check_top_k(top_k, limit: int | None = None) -> None:
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, {limit or 'inf'}]")
 
 
-def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, stream_stores: bool = False) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, stream_stores: bool = False,
+                slot_to_row: torch.Tensor | None = None) -> torch.Tensor:
     """pool [P, H]: row r = x[row_to_slot[r] // top_k], zeros where row_to_slot[r] < 0. ``stream_stores``
     writes the pool with evict-first (``st.global.cs``) stores, which leave L2 to the source rows each of
-    which is read top_k times (same bits either way)."""
+    which is read top_k times (same bits either way). ``slot_to_row`` [T * top_k] (the routing's inverse
+    map, top_k <= 32): the kernel walks the tokens instead, reading each of x's rows once and storing it
+    to its slots' rows, then zeroing the rows no slot maps to; the same pool where the two maps are
+    inverse over the used slots (as routing metadata is)."""
     _check_cuda("x", x)
     if x.dtype not in _GATHER_DTYPES:
         raise TypeError(f"x: dtype {x.dtype}, expected one of {list(_GATHER_DTYPES)}")
@@ -81,11 +94,24 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, strea
     _check_top_k(top_k)
     if not isinstance(stream_stores, bool):
         raise ValueError(f"stream_stores={stream_stores!r}: expected a bool")
+    if slot_to_row is not None:
+        _check_index("slot_to_row", slot_to_row, x.device)
+        _check_top_k(top_k, MAX_TOP_K)
+        if slot_to_row.shape[0] != x.shape[0] * top_k:
+            raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots, expected T * top_k = {x.shape[0]} * "
+                             f"{top_k} = {x.shape[0] * top_k}")
     x = x.contiguous()
     num_tokens, hidden = x.shape
     rows = row_to_slot.shape[0]
     pool = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     if rows == 0 or hidden == 0:
+        return pool
+    if slot_to_row is not None:
+        with jit.device_guard(x):
+            jit.build(*_SCATTER[elem, stream_stores]).launch(
+                _grid(max(num_tokens, -(-rows // 32)), x.device), (_THREADS, 1, 1),
+                (x, slot_to_row, row_to_slot, pool, ctypes.c_int64(num_tokens), ctypes.c_int32(hidden),
+                 ctypes.c_int32(top_k), ctypes.c_int64(rows)))
         return pool
     with jit.device_guard(x):
         jit.build(*_GATHER[elem, stream_stores]).launch(

@@ -44,6 +44,77 @@ gather_rows_kernel(const void* __restrict__ x, const int* __restrict__ row_to_sl
     }
 }
 
+// The same pool in token order: a warp reads each token's row once (in chunks of 4 vectors a lane) and
+// stores it to the pool rows of the token's used slots (slot_to_row), so each source row comes from
+// memory once instead of top_k times; then the rows no used slot maps to (row_to_slot < 0, or a slot of
+// a token past num_tokens) are zeroed, 32 rows a warp step. Where slot_to_row and row_to_slot are
+// inverse maps over the used slots (routing metadata), every pool row gets gather_rows_kernel's bytes.
+// top_k <= 32 (a lane holds one slot's row).
+template <int kElemBytes, bool kStreamStores = false>
+__global__ void __launch_bounds__(kGatherCombineThreads)
+scatter_token_rows_kernel(const void* __restrict__ x, const int* __restrict__ slot_to_row,
+                          const int* __restrict__ row_to_slot, void* __restrict__ pool, i64 num_tokens, int hidden,
+                          int top_k, i64 num_rows) {
+    grid_dependency_wait();
+    constexpr int kChunk = 4;
+    const int vecs_per_row = hidden * kElemBytes / 16;
+    const i64 row_bytes = static_cast<i64>(hidden) * kElemBytes;
+    const i64 num_warps = static_cast<i64>(gridDim.x) * kGatherCombineWarps;
+    const i64 warp = static_cast<i64>(blockIdx.x) * kGatherCombineWarps + warp_id();
+    const int lane = lane_id();
+    for (i64 token = warp; token < num_tokens; token += num_warps) {
+        int slot_row = -1;
+        if (lane < top_k) {
+            const int r = slot_to_row[token * top_k + lane];
+            slot_row = r >= 0 && r < num_rows ? r : -1;
+        }
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(x) + token * row_bytes);
+        for (int v0 = 0; v0 < vecs_per_row; v0 += kChunk * kWarpSize) {
+            uint4 values[kChunk];
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+                const int v = v0 + j * kWarpSize + lane;
+                values[j] = v < vecs_per_row ? load_stream_v4(src + v) : make_uint4(0, 0, 0, 0);
+            }
+            for (int k = 0; k < top_k; ++k) {
+                const int row = __shfl_sync(0xffffffffu, slot_row, k);
+                if (row < 0)
+                    continue;
+                uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(pool) + row * row_bytes);
+#pragma unroll
+                for (int j = 0; j < kChunk; ++j) {
+                    const int v = v0 + j * kWarpSize + lane;
+                    if (v < vecs_per_row) {
+                        if constexpr (kStreamStores)
+                            store_stream_v4(dst + v, values[j]);
+                        else
+                            store_v4(dst + v, values[j]);
+                    }
+                }
+            }
+        }
+    }
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (i64 base = warp * kWarpSize; base < num_rows; base += num_warps * kWarpSize) {
+        const i64 r = base + lane;
+        bool unmapped = false;
+        if (r < num_rows) {
+            const int slot = row_to_slot[r];
+            unmapped = slot < 0 || slot / top_k >= num_tokens;
+        }
+        for (unsigned mask = __ballot_sync(0xffffffffu, unmapped); mask != 0; mask &= mask - 1) {
+            const int i = __ffs(static_cast<int>(mask)) - 1;
+            uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(pool) + (base + i) * row_bytes);
+            for (int v = lane; v < vecs_per_row; v += kWarpSize) {
+                if constexpr (kStreamStores)
+                    store_stream_v4(dst + v, zero);
+                else
+                    store_v4(dst + v, zero);
+            }
+        }
+    }
+}
+
 // top_k <= 32: the token's rows and weights are staged in shared memory, read as broadcasts.
 // kWeighted = false: all weights are one (the multiply is exact, so it is simply skipped).
 // kSlotOrder: o is already in slot order ([T*K, H], written by a GEMM's combine epilogue), so the
