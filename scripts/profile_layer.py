@@ -17,11 +17,16 @@ gradients need about 116 GB): the kernels and host syncs per layer are the same 
     python scripts/profile_layer.py sync --dry-run      # 2 tiny layers, also on a CPU
     python scripts/profile_layer.py host [--workload qwen3-30b-a3b-t4096 ...]
     python scripts/profile_layer.py host --dry-run
+    python scripts/profile_layer.py memory [--workload qwen3-30b-a3b-t16384] [--recipe fp8]
 
 ``host``: forward+backward of ``mega_moe_train`` per workload through the custom ops
 (``DGE_EAGER_CUSTOM_OP=1``) and through the eager ``autograd.Function`` (the default), in
 alternating rounds: medians of the step (CUDA events, each step starting on an idle GPU) and of the
 host's time in the forward call and in the backward call.
+
+``memory``: the caching allocator's trace of one forward+backward per recipe (after three warm-up
+steps), replayed to the step's peak: the allocated bytes before the step, the peak, and the largest
+blocks alive at the peak with where the package allocated them.
 
 Each ends with a short markdown table.
 """
@@ -250,6 +255,78 @@ def cmd_sync(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# memory
+
+
+def replay_peak(events: list[dict]) -> tuple[int, int, list[dict]]:
+    """Replay a caching-allocator trace (``torch.cuda.memory._snapshot()["device_traces"][d]``): the peak
+    of the bytes allocated since the trace began (allocs less ``free_requested``), the index of the
+    event that reached it, and the blocks alive then (the trace's alloc events)."""
+    alive: dict[int, dict] = {}
+    current = best = 0
+    best_index, best_alive = -1, []
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            alive[event["addr"]] = event
+            current += event["size"]
+            if current > best:
+                best, best_index, best_alive = current, i, list(alive.values())
+        elif event["action"] == "free_requested" and event["addr"] in alive:
+            current -= alive.pop(event["addr"])["size"]
+    return best, best_index, best_alive
+
+
+def _alloc_site(event: dict, package: str = "deep_gemm_ext", depth: int = 3) -> str:
+    frames = [f for f in event.get("frames", []) if package in f["filename"]]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:depth]) or "-"
+
+
+def _step_memory(wl, recipe: str) -> tuple[int, int, list[dict]]:
+    """(bytes allocated before the step, the step's peak, the blocks alive at the peak)."""
+    x, idx, w, l1, l2 = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
+                                    device="cuda", seed=7)
+    dy = torch.randn_like(x)
+
+    def step():
+        y = dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe)
+        torch.autograd.grad(y, (x, w, l1, l2), dy)
+
+    for _ in range(3):  # JIT loads, the weight cache and the allocator's pools stay out of it
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    _, _, alive = replay_peak(snapshot["device_traces"][torch.cuda.current_device()])
+    return base, torch.cuda.max_memory_allocated(), alive
+
+
+def cmd_memory(args) -> int:
+    if not torch.cuda.is_available():
+        print("profile_layer.py memory needs a CUDA GPU", file=sys.stderr)
+        return 2
+    wl = WORKLOADS[args.workload]
+    results = {}
+    for recipe in args.recipe or ["bf16", "fp8"]:
+        results[recipe] = _step_memory(wl, recipe)
+        torch.cuda.empty_cache()
+    print(f"\n{args.workload}: blocks alive at the peak of one forward+backward (caching allocator trace)\n")
+    print("| recipe | base GiB | peak GiB | step GiB | block MiB | allocated at |\n|---|---|---|---|---|---|")
+    for recipe, (base, peak, alive) in results.items():
+        for i, block in enumerate(sorted(alive, key=lambda e: -e["size"])[:args.rows]):
+            head = (f"| {recipe} | {base / 2**30:.3f} | {peak / 2**30:.3f} | {(peak - base) / 2**30:.3f} " if i == 0
+                    else "| | | | ")
+            print(f"{head}| {block['size'] / 2**20:.1f} | {_alloc_site(block)} |")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # host
 
 
@@ -336,11 +413,15 @@ def main(argv=None) -> int:
     h.add_argument("--rounds", type=int, default=4, help="alternations between the two paths")
     h.add_argument("--steps", type=int, default=10, help="timed steps per path per round")
     h.add_argument("--dry-run", action="store_true", help="a tiny layer, 1 round: checks the script, also on a CPU")
+    m = sub.add_parser("memory", help="what is alive at the peak of one forward+backward")
+    m.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t16384")
+    m.add_argument("--recipe", action="append", choices=["bf16", "fp8"], help="repeatable; default both")
+    m.add_argument("--rows", type=int, default=12, help="largest blocks listed per recipe")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("kernels", "sync", "host", "-h", "--help"):
+    if not argv or argv[0] not in ("kernels", "sync", "host", "memory", "-h", "--help"):
         argv = ["kernels", *argv]  # the command line before the sync measurement existed
     args = p.parse_args(argv)
-    return {"kernels": cmd_kernels, "sync": cmd_sync, "host": cmd_host}[args.cmd](args)
+    return {"kernels": cmd_kernels, "sync": cmd_sync, "host": cmd_host, "memory": cmd_memory}[args.cmd](args)
 
 
 if __name__ == "__main__":

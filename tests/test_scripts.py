@@ -270,3 +270,19 @@ def test_bench_ep_multi_dry_run_with_torchrun(tmp_path):
     assert "not measured: needs CUDA GPUs" in rows["ours, symmetric (SymmetricEpBuffer), bf16"]
     assert "| workload | row | t_ep ms | t_stub ms | t_comm_alone ms | fraction hidden |" in out
     assert "TORCH_SYMM_MEM_DISABLE_MULTICAST': '1'" in out
+
+
+def test_profile_memory_replay_finds_the_peak():
+    """The allocator-trace replay: the peak of allocs less requested frees, and what is alive there."""
+    def ev(action, addr, size, name="f"):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": "/x/deep_gemm_ext/layer.py", "line": 7, "name": name}]}
+    events = [ev("alloc", 1, 100), ev("alloc", 2, 50), ev("free_requested", 1, 100), ev("free_completed", 1, 100),
+              ev("alloc", 3, 120, "big"), ev("alloc", 4, 10), ev("free_requested", 3, 120), ev("alloc", 5, 60)]
+    peak, index, alive = profile_layer.replay_peak(events)
+    assert (peak, index) == (180, 5)
+    assert sorted(e["addr"] for e in alive) == [2, 3, 4]
+    assert profile_layer._alloc_site(alive[1]) == "layer.py:7:big"
+    assert profile_layer.replay_peak([]) == (0, -1, [])
+    if not torch.cuda.is_available():
+        assert profile_layer.main(["memory"]) == 2
