@@ -253,8 +253,9 @@ def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: in
     data, scale = quantize_rows_fp8(x)
     # Evict-first pool stores: 1.04x (e4m3 rows) and 1.42x (scales) of plain stores at Qwen3-30B T16384
     # (docs/perf-notes.md v21); same bytes.
-    return (gather_rows(data, row_to_slot, top_k, stream_stores=True, slot_to_row=slot_to_row),
-            gather_rows(scale, row_to_slot, top_k, stream_stores=True, slot_to_row=slot_to_row))
+    streamed = slot_to_row is None  # evict-first stores pay in the row walk only
+    return (gather_rows(data, row_to_slot, top_k, stream_stores=streamed, slot_to_row=slot_to_row),
+            gather_rows(scale, row_to_slot, top_k, stream_stores=streamed, slot_to_row=slot_to_row))
 
 
 def swiglu_forward_fp8(h: torch.Tensor, clamp: float | None = None, *, return_act: bool = False,

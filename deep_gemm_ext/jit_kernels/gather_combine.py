@@ -23,9 +23,8 @@ def _gather_code(elem_bytes: int, stream_stores: bool) -> str:
                        f"(const void*, const int*, void*, long long, int, int, int);\n")
 
 
-def _scatter_code(elem_bytes: int, stream_stores: bool) -> str:
-    flag = "true" if stream_stores else "false"
-    return _INCLUDE + (f"template __global__ void dge::scatter_token_rows_kernel<{elem_bytes}, {flag}>"
+def _scatter_code(elem_bytes: int) -> str:
+    return _INCLUDE + (f"template __global__ void dge::scatter_token_rows_kernel<{elem_bytes}>"
                        f"(const void*, const int*, const int*, void*, long long, int, int, long long);\n")
 
 
@@ -37,8 +36,7 @@ def _combine_code(weighted: bool, slot_order: bool) -> str:
 
 _GATHER = {(b, cs): (f"gather_rows_{8 * b}bit{'_cs' if cs else ''}", _gather_code(b, cs))
            for b in sorted(set(_GATHER_DTYPES.values())) for cs in (False, True)}
-_SCATTER = {(b, cs): (f"gather_token_rows_{8 * b}bit{'_cs' if cs else ''}", _scatter_code(b, cs))
-            for b in sorted(set(_GATHER_DTYPES.values())) for cs in (False, True)}
+_SCATTER = {b: (f"gather_token_rows_{8 * b}bit", _scatter_code(b)) for b in sorted(set(_GATHER_DTYPES.values()))}
 _COMBINE = {(w, s): (f"combine_{'slots' if s else 'rows'}_{'weighted' if w else 'unweighted'}", _combine_code(w, s))
             for s in (False, True) for w in (False, True)}
 
@@ -83,7 +81,8 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, strea
     which is read top_k times (same bits either way). ``slot_to_row`` [T * top_k] (the routing's inverse
     map, top_k <= 32): the kernel walks the tokens instead, reading each of x's rows once and storing it
     to its slots' rows, then zeroing the rows no slot maps to; the same pool where the two maps are
-    inverse over the used slots (as routing metadata is)."""
+    inverse over the used slots (as routing metadata is). Its stores are plain (``stream_stores`` is for
+    the row walk, whose source rows are read top_k times)."""
     _check_cuda("x", x)
     if x.dtype not in _GATHER_DTYPES:
         raise TypeError(f"x: dtype {x.dtype}, expected one of {list(_GATHER_DTYPES)}")
@@ -97,6 +96,9 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, strea
     if slot_to_row is not None:
         _check_index("slot_to_row", slot_to_row, x.device)
         _check_top_k(top_k, MAX_TOP_K)
+        if stream_stores:
+            raise ValueError("stream_stores=True with slot_to_row: the token walk reads each source row once and "
+                             "stores plainly; evict-first stores are for the row walk")
         if slot_to_row.shape[0] != x.shape[0] * top_k:
             raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots, expected T * top_k = {x.shape[0]} * "
                              f"{top_k} = {x.shape[0] * top_k}")
@@ -108,7 +110,7 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, strea
         return pool
     if slot_to_row is not None:
         with jit.device_guard(x):
-            jit.build(*_SCATTER[elem, stream_stores]).launch(
+            jit.build(*_SCATTER[elem]).launch(
                 _grid(max(num_tokens, -(-rows // 32)), x.device), (_THREADS, 1, 1),
                 (x, slot_to_row, row_to_slot, pool, ctypes.c_int64(num_tokens), ctypes.c_int32(hidden),
                  ctypes.c_int32(top_k), ctypes.c_int64(rows)))
