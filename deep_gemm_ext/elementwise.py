@@ -18,9 +18,13 @@ def routing(topk_idx: torch.Tensor, num_experts: int, align: int, kernels=None) 
     return compute_routing_torch(topk_idx, num_experts, align)
 
 
-def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels=None) -> torch.Tensor:
-    """Pool row r = x[row_to_slot[r] // top_k]; zero rows where row_to_slot[r] < 0 (padding)."""
+def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels=None,
+                slot_to_row: torch.Tensor | None = None) -> torch.Tensor:
+    """Pool row r = x[row_to_slot[r] // top_k]; zero rows where row_to_slot[r] < 0 (padding).
+    ``slot_to_row``: the routing's inverse map; the kernels then read each of x's rows once (token order)."""
     if kernels is not None:
+        if slot_to_row is not None and top_k <= kernels.MAX_TOP_K:
+            return kernels.gather_rows(x, row_to_slot, top_k, slot_to_row=slot_to_row)
         return kernels.gather_rows(x, row_to_slot, top_k)
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
     src = torch.where(row_to_slot >= 0, row_to_slot // top_k, x.shape[0])
@@ -60,10 +64,14 @@ def swiglu_forward(h: torch.Tensor, activation_clamp: float | None, kernels=None
     return swiglu(h.to(acc), activation_clamp).to(h.dtype)
 
 
-def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels):
+def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels,
+                           slot_to_row: torch.Tensor | None = None):
     """The pool of ``x``'s rows quantized 1x128, ``(data [P, H] e4m3, scale [P, H/128] fp32)``: each token
-    quantized once, then its rows gathered (padding rows: data and scale zero)."""
-    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k)
+    quantized once, then its rows gathered (padding rows: data and scale zero; ``slot_to_row``: in token
+    order, as :func:`gather_rows`)."""
+    if slot_to_row is not None and top_k > kernels.MAX_TOP_K:
+        slot_to_row = None
+    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k, slot_to_row=slot_to_row)
 
 
 def swiglu_forward_fp8(h: torch.Tensor, activation_clamp: float | None, kernels):

@@ -132,7 +132,7 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
     else:
         _rows_arrived(pending)
         a = gather = None
-        x_rows = a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels)
+        x_rows = a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
     l1 = precision.expert_weights(l1_weights, cdt)
     if plan.swiglu_epilogues:
         h, act = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather,
@@ -179,7 +179,7 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
     else:
-        a_dy = elementwise.gather_rows(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels)
+        a_dy = elementwise.gather_rows(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
         gather = None
     l2 = precision.expert_weights(l2_weights, cdt)
     if plan.swiglu_epilogues:
@@ -192,7 +192,8 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         if plan.fp8_rows and gather is None:
             # dy quantized per token, then its rows gathered: the pool's quantized bits from T rows of
             # reads instead of P (the bf16 pool stays for dW2).
-            a_l2 = Fp8Rows(*elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels))
+            a_l2 = Fp8Rows(*elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
+                                                               meta.slot_to_row))
         da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
         del a_l2
         if plan.fp8_rows:
@@ -214,7 +215,8 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         d_l1 = gemms.k_grouped(dh, x_rows.contiguous(), meta, recipe=precision, gather_b=gather)  # [E, 2I, H]
     else:
         if plan.gather_x:
-            x_rows = elementwise.gather_rows(x_rows.contiguous(), meta.row_to_slot, top_k, plan.kernels)
+            x_rows = elementwise.gather_rows(x_rows.contiguous(), meta.row_to_slot, top_k, plan.kernels,
+                                             meta.slot_to_row)
         d_l1 = gemms.k_grouped(dh, x_rows, meta, recipe=precision)  # [E, 2I, H]
     del dh
     d_topk = _take_or_zero(d_row_weight, meta.slot_to_row).view(num_rows, top_k).to(w_rows.dtype)

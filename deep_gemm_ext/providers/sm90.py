@@ -99,7 +99,9 @@ class Sm90Provider(GemmProvider):
                 raise ValueError("an Fp8Rows operand is the pool itself: it takes no gather")
             a_q, sa = a
         elif gather is not None:
-            a_q, sa = k.quantize_pool_rows_fp8(a, gather.row_to_slot, gather.top_k)
+            # The routing's own rows: its inverse map lets the gathers read each token once.
+            inverse = meta.slot_to_row if gather.row_to_slot is meta.row_to_slot and gather.top_k <= k.MAX_TOP_K else None
+            a_q, sa = k.quantize_pool_rows_fp8(a, gather.row_to_slot, gather.top_k, slot_to_row=inverse)
         else:
             a_q, sa = k.quantize_rows_fp8(a)
         # Both orientations are K-major 128x128-block copies: "nn" (a @ W[e]) is NT over W's transpose.
