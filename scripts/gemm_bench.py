@@ -5,6 +5,7 @@
     python scripts/gemm_bench.py --fp8 [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --clusters [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --epilogue [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --upstream [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up (each of --calls back-to-back calls, so that
@@ -37,12 +38,27 @@ per consumer warpgroup (the launchers' ``epilogue_buffers``: 4 stages a whole 64
 stages instead of 4), next to one dense cuBLAS bf16 GEMM of the same M x N x K; "bits" says whether the
 two outputs are equal bit for bit (they must: same accumulators, same stores); "tile" is the N tile the
 launcher picked (a 128-wide one runs the default kernel under both).
+
+--upstream: per GEMM of each workload (default Qwen3-30B-A3B T16384: the M-grouped GEMMs of --fp8 and the two
+weight gradients of its second table), TFLOP/s of our GEMMs and of upstream DeepGEMM's SM90 GEMMs on the same
+operands, in one process and timed alike: bf16 (upstream m_grouped_bf16_gemm_{nt,nn}_contiguous,
+k_grouped_bf16_gemm_tn_contiguous) and blockwise fp8 (m_grouped_fp8_gemm_nt_contiguous,
+k_grouped_fp8_gemm_nt_contiguous). Ours run as the layer runs them (providers.sm90: the M-grouped fp8 GEMMs
+with the layer's mainloop and cluster choice). Both sides get operands quantized once beforehand (not
+timed), upstream in the layouts it asks for (providers.deepgemm: m_indices, each expert's slab K-major for
+its fp8 weight gradients; activation scales MN-major and TMA-aligned, get_mn_major_tma_aligned_tensor).
+Upstream's K-grouped GEMMs accumulate into an fp32 result (C = D, as the provider calls them), ours write bf16.
+"err" is each side's relative error against an fp64 reference on the operands as the kernels read them (bf16,
+or the fp8 data times its scales), "check" whether all of them are below _UPSTREAM_MAX_REL_ERR, "bits" whether
+the two M-grouped outputs are equal bit for bit (not required: different kernels). Without deep_gemm (or
+without an SM90 GPU) it prints "not measured: <reason>" and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg  # noqa: E402
 from deep_gemm_ext.jit_kernels import fp8_quant as fq  # noqa: E402
 from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg  # noqa: E402
+from deep_gemm_ext.providers import deepgemm  # noqa: E402
+from deep_gemm_ext.providers.base import Fp8Rows  # noqa: E402
+from deep_gemm_ext.providers.sm90 import Sm90Provider  # noqa: E402
+from deep_gemm_ext.recipes import RECIPES  # noqa: E402
 from deep_gemm_ext.recipes import fp8 as fp8_recipe  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
 from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms  # noqa: E402
@@ -461,11 +481,229 @@ def _epilogue_table(args) -> int:
     return 0 if all(r["bit_identical"] for r in results) else 1
 
 
-def main() -> int:
+#: Largest relative error against the fp64 reference that --upstream accepts from either side's GEMMs (both
+#: round to bf16, about 2e-3; upstream's K-grouped results stay fp32).
+_UPSTREAM_MAX_REL_ERR = 1e-2
+
+
+def _upstream_unavailable() -> str | None:
+    """Why upstream DeepGEMM's SM90 GEMMs cannot be timed in this process; None if they can."""
+    try:
+        deepgemm.require()
+    except RuntimeError as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return "upstream DeepGEMM's SM90 GEMMs need a CUDA GPU, and torch sees none"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return (f"the GEMMs compared are upstream DeepGEMM's SM90 (Hopper) ones, this GPU is SM{major}{minor} "
+                f"({torch.cuda.get_device_name()})")
+    return None
+
+
+def _m_grouped_reference(bounds, a_rows, b_nk):
+    """An M-grouped GEMM's fp64 reference, one expert at a time: (output rows of expert e, ``a_rows(s, t) @
+    b_nk(e).T``) for its pool rows [s, t)."""
+    for e, (s, t) in enumerate(bounds):
+        if t > s:
+            yield slice(s, t), a_rows(s, t).double() @ b_nk(e).double().t()
+
+
+def _k_grouped_reference(bounds, a_rows, b_rows):
+    """A K-grouped GEMM's fp64 reference, one expert at a time: (e, ``a_rows(s, t).T @ b_rows(s, t)``)."""
+    for e, (s, t) in enumerate(bounds):
+        yield e, a_rows(s, t).double().t() @ b_rows(s, t).double()
+
+
+def _rel_errs(outs, pieces) -> list[float]:
+    """``||out - ref|| / ||ref||`` in fp64 of each of ``outs`` over the reference ``pieces`` ((index into an
+    output, its fp64 values), as the two functions above give them: never the whole reference at once)."""
+    num = [torch.zeros((), dtype=torch.float64, device=outs[0].device) for _ in outs]
+    den = torch.zeros((), dtype=torch.float64, device=outs[0].device)
+    for index, ref in pieces:
+        den += ref.square().sum()
+        for acc, out in zip(num, outs):
+            acc += (out[index].double() - ref).square().sum()
+    den = float(den)
+    return [(float(n) / den) ** 0.5 if den > 0 else float(n) ** 0.5 for n in num]
+
+
+def _upstream_cases(w, dg):
+    """(name, dense (M, N, K), rows compared bit for bit or None, {precision: (ours, upstream, reference
+    pieces)}) per GEMM of the layer, on _layer_operands' operands (those of --fp8). ``ours`` and ``upstream``
+    return their output; the first call of each is the checked one (upstream's K-grouped GEMMs accumulate
+    into their output, which starts at zero)."""
+    (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, _, _) = _layer_operands(w)
+    if meta.align % deepgemm.token_group_alignment():
+        raise RuntimeError(f"the pool's expert alignment {meta.align} is not a multiple of upstream's "
+                           f"contiguous-layout alignment {deepgemm.token_group_alignment()}")
+    bounds = list(zip(starts.tolist(), ends.tolist()))
+    ours = Sm90Provider()
+    bf16, fp8 = RECIPES["bf16"], RECIPES["fp8"]
+    pools = {"x": x, "act": act, "dy": dy, "dh": dh}
+    w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
+    q = {name: fp8_recipe.quantize_rows(t) for name, t in pools.items()}
+    # Upstream's SM90 fp8 GEMM reads the activation scales MN-major with TMA-aligned columns and uses scales
+    # already so laid out as they are; laid out here once (a copy only where P is not a multiple of 4).
+    q_up = {name: (data, dg.get_mn_major_tma_aligned_tensor(scale.t().contiguous().t()))
+            for name, (data, scale) in q.items()}
+    layout = deepgemm.m_indices(meta)  # each pool row's expert, -1 on padding rows
+
+    def m_grouped(name, shape, a, weight, weight_fp8, gemm_layout):
+        pool, nn = pools[a], gemm_layout == "nn"
+        wq = weight_fp8.kn if nn else weight_fp8.nk
+        out_bf16, out_fp8 = pool.new_empty(rows, shape[1]), pool.new_empty(rows, shape[1])
+        upstream_gemm = dg.m_grouped_bf16_gemm_nn_contiguous if nn else dg.m_grouped_bf16_gemm_nt_contiguous
+
+        def upstream_bf16():
+            upstream_gemm(pool, weight, out_bf16, layout)
+            return out_bf16
+
+        def upstream_fp8():
+            dg.m_grouped_fp8_gemm_nt_contiguous(q_up[a], wq, out_fp8, layout)
+            return out_fp8
+
+        def reference_bf16():
+            return _m_grouped_reference(bounds, lambda s, t: pool[s:t], lambda e: weight[e].t() if nn else weight[e])
+
+        def reference_fp8():
+            (data, scale), (w_data, w_scale) = q[a], wq
+            return _m_grouped_reference(
+                bounds, lambda s, t: fp8_recipe.dequantize_rows(data[s:t], scale[s:t]),
+                lambda e: fp8_recipe.dequantize_weight_blocks(w_data[e:e + 1], w_scale[e:e + 1])[0])
+
+        def ours_bf16():
+            return ours.m_grouped(pool, weight, meta, gemm_layout, recipe=bf16)
+
+        def ours_fp8():
+            return ours.m_grouped(Fp8Rows(*q[a]), weight_fp8, meta, gemm_layout, recipe=fp8)
+
+        return name, shape, used, {"bf16": (ours_bf16, upstream_bf16, reference_bf16),
+                                   "fp8": (ours_fp8, upstream_fp8, reference_fp8)}
+
+    ks = [t - s for s, t in bounds]
+    ks_device = torch.tensor(ks, dtype=torch.int32, device=x.device)
+    padded = -(-rows // 16) * 16  # our K-grouped fp8 GEMM's P % 16 == 0, as in --fp8
+    block = fp8_recipe.FP8_BLOCK
+
+    def k_grouped(name, a_name, b_name):
+        a, b = pools[a_name], pools[b_name]
+        qa, qb = fq.quantize_cols_transposed_fp8(a, rows=padded), fq.quantize_cols_transposed_fp8(b, rows=padded)
+        # Upstream: the experts' rows only (they end at `used`), 128x1 scales MN-major, each expert's slab K-major.
+        (ca, sa), (cb, sb) = fp8_recipe.quantize_cols(a[:used]), fp8_recipe.quantize_cols(b[:used])
+        ga, gb = deepgemm.group_transpose(ca, ks), deepgemm.group_transpose(cb, ks)
+        d_bf16, d_fp8 = (torch.zeros(len(ks), a.shape[1], b.shape[1], device=a.device) for _ in range(2))
+
+        def upstream_bf16():
+            dg.k_grouped_bf16_gemm_tn_contiguous(a[:used], b[:used], d_bf16, ks, ks_device, d_bf16)
+            return d_bf16
+
+        def upstream_fp8():
+            dg.k_grouped_fp8_gemm_nt_contiguous((ga, sa.t()), (gb, sb.t()), d_fp8, ks, ks_device, d_fp8,
+                                                recipe=(1, 1, block))
+            return d_fp8
+
+        def reference_bf16():
+            return _k_grouped_reference(bounds, lambda s, t: a[s:t], lambda s, t: b[s:t])
+
+        def reference_fp8():
+            return _k_grouped_reference(bounds,
+                                        lambda s, t: fp8_recipe.dequantize_cols(ca[s:t], sa[s // block:t // block]),
+                                        lambda s, t: fp8_recipe.dequantize_cols(cb[s:t], sb[s // block:t // block]))
+
+        return name, (a.shape[1], b.shape[1], used), None, {
+            "bf16": (lambda: gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends), upstream_bf16, reference_bf16),
+            "fp8": (lambda: fg.k_grouped_fp8_gemm_nt_contiguous(*qa, *qb, starts, ends), upstream_fp8, reference_fp8)}
+
+    return [
+        m_grouped("L1 fwd  nt", (used, 2 * I, H), "x", l1, w1, "nt"),
+        m_grouped("L2 fwd  nt", (used, H, I), "act", l2, w2, "nt"),
+        m_grouped("L2 dgrad", (used, I, H), "dy", l2, w2, "nn"),
+        m_grouped("L1 dgrad", (used, H, 2 * I), "dh", l1, w1, "nn"),
+        k_grouped("L1 wgrad", "dh", "x"),
+        k_grouped("L2 wgrad", "dy", "act"),
+    ]
+
+
+def _upstream_table(args) -> int:
+    reason = _upstream_unavailable()
+    if reason is not None:
+        print(f"not measured: {reason}")
+        return 0
+    import deep_gemm as dg  # importable: checked above
+
+    results = []
+    for workload in args.workload or ("qwen3-30b-a3b-t16384",):
+        w = WORKLOADS[workload]
+        for name, (m, n, k), bit_rows, impls in _upstream_cases(w, dg):
+            flops = 2.0 * m * n * k
+            row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "upstream_errors": {}}
+            start = time.perf_counter()
+            for precision, (ours, upstream, reference) in impls.items():
+                mine = ours()
+                try:
+                    theirs = upstream()
+                except (RuntimeError, TypeError) as exc:  # a host assertion, a JIT failure, a changed signature
+                    row["upstream_errors"][precision] = str(exc).strip().splitlines()[0]
+                    theirs = None
+                errs = _rel_errs([mine] if theirs is None else [mine, theirs], reference())
+                row[f"{precision}_rel_err"] = errs[0]
+                row[f"{precision}_upstream_rel_err"] = errs[1] if theirs is not None else None
+                row[f"{precision}_bit_identical"] = (
+                    torch.equal(mine[:bit_rows].view(torch.int16), theirs[:bit_rows].view(torch.int16))
+                    if theirs is not None and bit_rows is not None else None)
+                del mine, theirs
+                row[f"{precision}_tflops"] = flops / median_ms(ours, args.reps, calls=args.calls) / 1e9
+                row[f"{precision}_upstream_tflops"] = (
+                    flops / median_ms(upstream, args.reps, calls=args.calls) / 1e9
+                    if precision not in row["upstream_errors"] else None)
+            checked = [row[f"{p}_{side}rel_err"] for p in impls for side in ("", "upstream_")]
+            row["check"] = not row["upstream_errors"] and all(e < _UPSTREAM_MAX_REL_ERR for e in checked)
+            results.append(row)
+            print(f"{w.name} {' '.join(name.split())}: checked and timed in {time.perf_counter() - start:.1f}s (the "
+                  "first calls compile)", flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+    def tflops(value):
+        return f"{value:6.1f}" if value is not None else f"{'fail':>6}"
+
+    def ratio(ours, theirs):
+        return f"{ours / theirs:5.2f}x" if theirs else f"{'-':>6}"
+
+    def err_pair(r, p):
+        up = r[f"{p}_upstream_rel_err"]
+        return f"{r[f'{p}_rel_err']:.1e}/{up:.1e}" if up is not None else f"{r[f'{p}_rel_err']:.1e}/fail"
+
+    def bits(r):
+        same = [r[f"{p}_bit_identical"] for p in ("bf16", "fp8")]
+        return "/".join("-" if s is None else "same" if s else "differ" for s in same)
+
+    print(f"TFLOP/s on {torch.cuda.get_device_name()}: ours (the layer's GEMMs) vs upstream DeepGEMM "
+          f"{getattr(dg, '__version__', '?')} (SM90) on the same operands, bf16 and blockwise fp8 (operands quantized "
+          "beforehand); x up = ours / upstream; err = relative error against fp64 (ours/upstream); bits bf16/fp8")
+    print(f"{'workload':<22} | {'gemm':<10} | {'M x N x K':>20} | {'bf16':>6} | {'up':>6} | {'x up':>6} | {'fp8':>6} | "
+          f"{'up':>6} | {'x up':>6} | {'err bf16':>15} | {'err fp8':>15} | {'bits':>11} | check")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{r['workload']:<22} | {r['gemm']:<10} | {shape:>20} | {tflops(r['bf16_tflops'])} | "
+              f"{tflops(r['bf16_upstream_tflops'])} | {ratio(r['bf16_tflops'], r['bf16_upstream_tflops'])} | "
+              f"{tflops(r['fp8_tflops'])} | {tflops(r['fp8_upstream_tflops'])} | "
+              f"{ratio(r['fp8_tflops'], r['fp8_upstream_tflops'])} | {err_pair(r, 'bf16'):>15} | "
+              f"{err_pair(r, 'fp8'):>15} | {bits(r):>11} | {'ok' if r['check'] else 'FAIL'}")
+    for r in results:
+        for precision, error in r["upstream_errors"].items():
+            print(f"{r['workload']} {r['gemm']} {precision}: upstream failed: {error}")
+    return 0 if all(r["check"] for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
-                        help="the layer (repeatable with --schedules and --fp8; default qwen3-30b-a3b-t16384, "
-                             f"with --schedules {' and '.join(_SCHEDULE_WORKLOADS)})")
+                        help="the layer (repeatable with --schedules, --fp8 and --upstream; default "
+                             f"qwen3-30b-a3b-t16384, with --schedules {' and '.join(_SCHEDULE_WORKLOADS)})")
     parser.add_argument("--schedules", action="store_true",
                         help="cooperative vs ping-pong vs dense cuBLAS TFLOP/s per GEMM")
     parser.add_argument("--fp8", action="store_true",
@@ -474,18 +712,23 @@ def main() -> int:
                         help="clusters of 1 vs 2 CTAs (bf16 and fp8) vs dense cuBLAS TFLOP/s per GEMM, with bit identity")
     parser.add_argument("--epilogue", action="store_true",
                         help="2 vs 4 epilogue staging buffers vs dense cuBLAS TFLOP/s per bf16 GEMM, with bit identity")
+    parser.add_argument("--upstream", action="store_true",
+                        help="ours vs upstream DeepGEMM's SM90 bf16 and fp8 GEMMs (when deep_gemm imports) TFLOP/s per "
+                             "GEMM of the layer, with each side's error against fp64")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5,
                         help="back-to-back calls per timed repeat (testing.median_ms): from the second on, a "
                              "call's host work overlaps the previous kernel, so the times are the kernels'; "
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
-    args = parser.parse_args()
-    if args.schedules + args.fp8 + args.clusters + args.epilogue > 1:
-        parser.error("--schedules, --fp8, --clusters and --epilogue: one table at a time")
-    one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue)
+    args = parser.parse_args(argv)
+    if args.schedules + args.fp8 + args.clusters + args.epilogue + args.upstream > 1:
+        parser.error("--schedules, --fp8, --clusters, --epilogue and --upstream: one table at a time")
+    one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue or args.upstream)
     if one_table and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules, --fp8, --clusters or --epilogue")
+        parser.error("--workload: one workload without --schedules, --fp8, --clusters, --epilogue or --upstream")
+    if args.upstream:
+        return _upstream_table(args)
     if args.fp8:
         return _fp8_table(args)
     if args.clusters:

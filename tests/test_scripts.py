@@ -1,17 +1,20 @@
 """The benchmark, tree-comparison and profiling scripts on the CPU: their dry runs end to end, and
 the parts the GPU runs rely on (skip reasons, the torch.compile fallback, NaN-aware comparison, the
-kernel-gap arithmetic, the Liger adapter's argument conversion)."""
+kernel-gap arithmetic, the Liger adapter's argument conversion, the upstream GEMM comparison's
+reasons and error arithmetic)."""
 import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from deep_gemm_ext import baselines
+from deep_gemm_ext.providers import deepgemm
 from deep_gemm_ext.testing import Workload, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +32,7 @@ def _load(name):
 bench = _load("bench")
 compare_trees = _load("compare_trees")
 profile_layer = _load("profile_layer")
+gemm_bench = _load("gemm_bench")
 
 TINY = Workload("tiny", 24, 32, 16, 4, 2)
 
@@ -286,3 +290,59 @@ def test_profile_memory_replay_finds_the_peak():
     assert profile_layer.replay_peak([]) == (0, -1, [])
     if not torch.cuda.is_available():
         assert profile_layer.main(["memory"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# gemm_bench.py --upstream
+
+
+@pytest.fixture
+def deep_gemm_module(monkeypatch):
+    """Sets what `import deep_gemm` gives (None: ImportError) for the provider's cached import."""
+    def use(module):
+        deepgemm._load.cache_clear()
+        monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    yield use
+    deepgemm._load.cache_clear()
+
+
+def test_gemm_bench_upstream_without_deep_gemm_says_why(deep_gemm_module, capsys):
+    deep_gemm_module(None)
+    assert gemm_bench.main(["--upstream", "--workload", "qwen3-30b-a3b-t4096"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("not measured: DeepGEMM is not importable in this process (ModuleNotFoundError")
+    assert out.count("\n") == 1 and "install.sh" in out and "libstdc++.so.6" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given without a GPU")
+def test_gemm_bench_upstream_without_gpu_says_why(deep_gemm_module, capsys):
+    deep_gemm_module(types.ModuleType("deep_gemm"))
+    assert gemm_bench.main(["--upstream"]) == 0
+    out = capsys.readouterr().out
+    assert out == "not measured: upstream DeepGEMM's SM90 GEMMs need a CUDA GPU, and torch sees none\n"
+
+
+def test_gemm_bench_upstream_is_a_table_of_its_own(capsys):
+    with pytest.raises(SystemExit):
+        gemm_bench.main(["--upstream", "--fp8"])
+    assert "one table at a time" in capsys.readouterr().err
+
+
+def test_gemm_bench_relative_errors_one_expert_at_a_time():
+    """The references of --upstream's check, on the CPU: per-expert fp64 pieces, errors summed over them."""
+    g = torch.Generator().manual_seed(0)
+    bounds = [(0, 3), (3, 3), (3, 7)]  # the middle expert owns no rows
+    a, b = torch.randn(7, 5, generator=g), torch.randn(7, 4, generator=g)
+    w = torch.randn(3, 4, 5, generator=g)  # [E, N, K]
+    exact = torch.cat([a[s:t] @ w[e].t() for e, (s, t) in enumerate(bounds)])
+    pieces = list(gemm_bench._m_grouped_reference(bounds, lambda s, t: a[s:t], lambda e: w[e]))
+    assert [index for index, _ in pieces] == [slice(0, 3), slice(3, 7)]
+    assert all(ref.dtype == torch.float64 for _, ref in pieces)
+    off = exact.clone()
+    off[4] += 1.0
+    errs = gemm_bench._rel_errs([exact, off], pieces)
+    assert errs[0] < 1e-6 and errs[1] == pytest.approx(4 ** 0.5 / exact.double().norm().item(), rel=1e-5)
+    wgrad = torch.stack([a[s:t].t() @ b[s:t] for s, t in bounds])  # [E, 5, 4]: zeros for the empty expert
+    pieces = list(gemm_bench._k_grouped_reference(bounds, lambda s, t: a[s:t], lambda s, t: b[s:t]))
+    assert [index for index, _ in pieces] == [0, 1, 2] and not pieces[1][1].any()
+    assert gemm_bench._rel_errs([wgrad], pieces)[0] < 1e-6
