@@ -23,9 +23,7 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels=
     """Pool row r = x[row_to_slot[r] // top_k]; zero rows where row_to_slot[r] < 0 (padding).
     ``slot_to_row``: the routing's inverse map; the kernels then read each of x's rows once (token order)."""
     if kernels is not None:
-        if slot_to_row is not None and top_k <= kernels.MAX_TOP_K:
-            return kernels.gather_rows(x, row_to_slot, top_k, slot_to_row=slot_to_row)
-        return kernels.gather_rows(x, row_to_slot, top_k)
+        return kernels.gather_rows(x, row_to_slot, top_k, slot_to_row=_token_order(slot_to_row, top_k, kernels))
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
     src = torch.where(row_to_slot >= 0, row_to_slot // top_k, x.shape[0])
     return padded.index_select(0, src.long())
@@ -69,9 +67,13 @@ def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: in
     """The pool of ``x``'s rows quantized 1x128, ``(data [P, H] e4m3, scale [P, H/128] fp32)``: each token
     quantized once, then its rows gathered (padding rows: data and scale zero; ``slot_to_row``: in token
     order, as :func:`gather_rows`)."""
-    if slot_to_row is not None and top_k > kernels.MAX_TOP_K:
-        slot_to_row = None
-    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k, slot_to_row=slot_to_row)
+    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k, slot_to_row=_token_order(slot_to_row, top_k, kernels))
+
+
+def _token_order(slot_to_row: torch.Tensor | None, top_k: int, kernels) -> torch.Tensor | None:
+    """The inverse map the kernels' token-order gather takes (it serves top_k <= kernels.MAX_TOP_K), or
+    None for the row walk; both give the same pool."""
+    return slot_to_row if slot_to_row is not None and top_k <= kernels.MAX_TOP_K else None
 
 
 def swiglu_forward_fp8(h: torch.Tensor, activation_clamp: float | None, kernels):

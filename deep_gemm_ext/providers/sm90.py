@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from .. import elementwise
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
 from .base import Fp8Rows, GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
 
@@ -100,8 +101,8 @@ class Sm90Provider(GemmProvider):
             a_q, sa = a
         elif gather is not None:
             # The routing's own rows: its inverse map lets the gathers read each token once.
-            inverse = meta.slot_to_row if gather.row_to_slot is meta.row_to_slot and gather.top_k <= k.MAX_TOP_K else None
-            a_q, sa = k.quantize_pool_rows_fp8(a, gather.row_to_slot, gather.top_k, slot_to_row=inverse)
+            inverse = meta.slot_to_row if gather.row_to_slot is meta.row_to_slot else None
+            a_q, sa = elementwise.quantize_pool_rows_fp8(a, gather.row_to_slot, gather.top_k, k, inverse)
         else:
             a_q, sa = k.quantize_rows_fp8(a)
         # Both orientations are K-major 128x128-block copies: "nn" (a @ W[e]) is NT over W's transpose.
