@@ -72,6 +72,19 @@ struct MainloopFP8 {
     // per accumulator column (K-grouped: columns 8 j + 2 (lane % 4) + t of the tile, index 2 j + t).
     static constexpr uint32_t kNumScalesB = kKGrouped ? kNumAccum / 2 : 1;
 
+    // The low descriptor words of stage 0's A slice (the warpgroup's first 64-row slice) and B tile,
+    // made once per tile; stage st's are these plus st times the stage's bytes / 16, a wgmma's K
+    // offset adds its bytes / 16 (mma::k_major_desc_at), so the loop rebuilds no descriptor. Both
+    // words are the same in every thread of a warp; taking them from lane 0 lets the compiler know
+    // it and keep the descriptors' arithmetic in uniform registers, which is where wgmma reads them.
+    struct DescBase {
+        uint32_t a;
+        uint32_t b;
+        __device__ __forceinline__ DescBase(const Stages& stages, uint32_t first_slice)
+            : a(__shfl_sync(0xffffffffu, mma::k_major_desc_lo(stages.a(0) + first_slice * 64 * mma::kSwizzleBytes), 0)),
+              b(__shfl_sync(0xffffffffu, mma::k_major_desc_lo(stages.b(0)), 0)) {}
+    };
+
     // Where a thread's B scales of k-block kb live (K-grouped): column c of the tile at
     // base + min(c - c0, max_dc) * stride + kb, c0 the thread's first column; columns past N read
     // the last column's scales.
@@ -125,6 +138,7 @@ private:
                                                           uint32_t lane) {
         const float* sa_ptr[kSlices][2];
         const ScalesBPtr sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
+        const DescBase desc(stages, first_slice);
 
         float partial[kSlices][kNumAccum];
 #pragma unroll
@@ -146,7 +160,7 @@ private:
                 ptx::fence_proxy_async_smem();
             mma::fence_accumulators(partial);
             ptx::wgmma_fence();
-            issue_block(partial, stages, st.stage, first_slice);
+            issue_block(partial, desc, st.stage);
             mma::fence_accumulators(partial);
             // The next k-block's scales load while this one's wgmmas run.
             float next_sa[kSlices][2];
@@ -178,6 +192,7 @@ private:
                                                            uint32_t lane) {
         const float* sa_ptr[kSlices][2];
         const float* sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
+        const DescBase desc(stages, first_slice);
 
         // partial[j] holds the k-blocks kb with kb % 2 == j.
         float partial[2][kSlices][kNumAccum];
@@ -204,18 +219,15 @@ private:
         // k-block 0 into partial[0]. Every control-flow join below sees the same wgmmas in flight
         // (partial[0]'s group, holding k-block kb), and both exits wait for all of them: a join
         // with different groups in flight on its two sides makes ptxas serialize the wgmmas.
-        uint32_t stage = issue(partial[0], pipe, st, stages, first_slice);
+        uint32_t stage = issue(partial[0], pipe, st, desc);
         uint32_t kb = 0;
         for (; kb + 2 < num_k_blocks; kb += 2) {
-            overlap_step(acc, partial[0], partial[1], pipe, st, stages, sa, sb, sa_ptr, sb_ptr, stage, kb + 1,
-                         first_slice, lane);
-            overlap_step(acc, partial[1], partial[0], pipe, st, stages, sa, sb, sa_ptr, sb_ptr, stage, kb + 2,
-                         first_slice, lane);
+            overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, sa_ptr, sb_ptr, stage, kb + 1, lane);
+            overlap_step(acc, partial[1], partial[0], pipe, st, desc, sa, sb, sa_ptr, sb_ptr, stage, kb + 2, lane);
         }
         // One or two k-blocks left, the first in flight in partial[0].
         if (kb + 1 < num_k_blocks) {
-            overlap_step(acc, partial[0], partial[1], pipe, st, stages, sa, sb, sa_ptr, sb_ptr, stage, kb + 1,
-                         first_slice, lane);
+            overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, sa_ptr, sb_ptr, stage, kb + 1, lane);
             last_step(acc, partial[1], pipe, sa, sb, stage, lane);
         } else {
             last_step(acc, partial[0], pipe, sa, sb, stage, lane);
@@ -228,13 +240,13 @@ private:
     template <uint32_t kSlices, class Pipe>
     __device__ __forceinline__ static uint32_t issue(float (&partial)[kSlices][kNumAccum], const Pipe& pipe,
                                                      sm90::PipelineState<Traits::kNumStages>& st,
-                                                     const Stages& stages, uint32_t first_slice) {
+                                                     const DescBase& desc) {
         pipe.consumer_wait(st);
         if constexpr (kGenericProxyWrites)
             ptx::fence_proxy_async_smem();
         mma::fence_accumulators(partial);
         ptx::wgmma_fence();
-        issue_block(partial, stages, st.stage, first_slice);
+        issue_block(partial, desc, st.stage);
         mma::fence_accumulators(partial);
         const uint32_t stage = st.stage;
         st.advance();
@@ -249,11 +261,10 @@ private:
                                                         float (&cur)[kSlices][kNumAccum],
                                                         float (&next)[kSlices][kNumAccum], const Pipe& pipe,
                                                         sm90::PipelineState<Traits::kNumStages>& st,
-                                                        const Stages& stages, float (&sa)[kSlices][2], float& sb,
+                                                        const DescBase& desc, float (&sa)[kSlices][2], float& sb,
                                                         const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
-                                                        uint32_t& stage, uint32_t next_kb, uint32_t first_slice,
-                                                        uint32_t lane) {
-        const uint32_t next_stage = issue(next, pipe, st, stages, first_slice);
+                                                        uint32_t& stage, uint32_t next_kb, uint32_t lane) {
+        const uint32_t next_stage = issue(next, pipe, st, desc);
         // next_kb's scales load while both groups run.
         float next_sa[kSlices][2], next_sb;
         load_scales(next_sa, next_sb, sa_ptr, sb_ptr, next_kb);
@@ -284,14 +295,19 @@ private:
 
     // One k-block's wgmmas on `stage` into `partial`, committed as one group.
     template <uint32_t kSlices>
-    __device__ __forceinline__ static void issue_block(float (&partial)[kSlices][kNumAccum], const Stages& stages,
-                                                       uint32_t stage, uint32_t first_slice) {
+    __device__ __forceinline__ static void issue_block(float (&partial)[kSlices][kNumAccum], const DescBase& desc,
+                                                       uint32_t stage) {
+        // The stage is warp-uniform too; said so (lane 0's), the descriptors need no per-wgmma
+        // register-to-uniform moves.
+        const uint32_t uniform_stage = __shfl_sync(0xffffffffu, stage, 0);
+        const uint32_t lo_a = desc.a + uniform_stage * (Stages::kABytes >> 4);
+        const uint32_t lo_b = desc.b + uniform_stage * (Stages::kBBytes >> 4);
 #pragma unroll
         for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
 #pragma unroll
             for (uint32_t s = 0; s < kSlices; ++s) {
-                const uint64_t desc_a = mma::k_major_desc(stages.a(stage), (first_slice + s) * 64, k * MMA::K);
-                const uint64_t desc_b = mma::k_major_desc(stages.b(stage), 0, k * MMA::K);
+                const uint64_t desc_a = mma::k_major_desc_at(lo_a, s * 64 * mma::kSwizzleBytes + k * MMA::K);
+                const uint64_t desc_b = mma::k_major_desc_at(lo_b, k * MMA::K);
                 // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
                 MMA::mma(partial[s], desc_a, desc_b, k > 0 ? 1u : 0u);
             }
