@@ -105,6 +105,23 @@ def test_unsupported_shape_reason():
     assert deepgemm.unsupported_shape_reason(2048, 768, RECIPES["fp8"]) is None
     assert "intermediate=96" in deepgemm.unsupported_shape_reason(2048, 96, RECIPES["fp8"])
     assert "hidden=20" in deepgemm.unsupported_shape_reason(20, 768, RECIPES["bf16"])
+    # 16-byte rows are not enough: upstream's bf16 GEMMs take K in multiples of 64.
+    assert "hidden=1032 must be a positive multiple of 64" in deepgemm.unsupported_shape_reason(
+        1032, 768, RECIPES["bf16"])
+    assert "intermediate=776" in deepgemm.unsupported_shape_reason(2048, 776, RECIPES["bf16"])
+
+
+@pytest.mark.parametrize("call", ["m_grouped", "k_grouped"])
+def test_both_gemms_check_the_pool_alignment(call, torch_deep_gemm):
+    # A pool routed with align 64: its expert blocks are not upstream's 128-row K (k_grouped) or M
+    # blocks (m_grouped); both say so before calling upstream.
+    meta = compute_routing_torch(make_routing(40, E, K), E, 64)
+    a = torch.zeros(meta.num_pool_rows, H, dtype=torch.bfloat16)
+    run = {"m_grouped": lambda: PROVIDER.m_grouped(a, torch.zeros(E, I, H, dtype=torch.bfloat16), meta, "nt",
+                                                   recipe=RECIPES["bf16"]),
+           "k_grouped": lambda: PROVIDER.k_grouped(a, a, meta, recipe=RECIPES["bf16"])}[call]
+    with pytest.raises(ValueError, match="meta.align=64 is not a multiple of DeepGEMM's contiguous-layout alignment 128"):
+        run()
 
 
 def _dequant_blocks(q, scale):

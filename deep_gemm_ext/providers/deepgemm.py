@@ -85,11 +85,16 @@ def token_group_alignment() -> int:
     return int(_deep_gemm().get_mk_alignment_for_contiguous_layout())
 
 
+#: K multiple of upstream's SM90 bf16 GEMMs (their k-block).
+BF16_K_MULTIPLE = 64
+
+
 def unsupported_shape_reason(hidden: int, intermediate: int, recipe) -> str | None:
     """Why ``(hidden, intermediate)`` cannot run on DeepGEMM's GEMMs under ``recipe`` (a
     :class:`deep_gemm_ext.recipes.Recipe`); None if it can."""
-    # fp8 scales cover 128-wide blocks of H, I and 2I; bf16 rows must be 16-byte aligned for TMA.
-    multiple = FP8_BLOCK if recipe.fp8 else 8
+    # fp8 scales cover 128-wide blocks of H, I and 2I; upstream's SM90 bf16 GEMMs take K in steps of
+    # their 64-wide k-block (it asserts K % 64 == 0), and H and I are each some GEMM's K.
+    multiple = FP8_BLOCK if recipe.fp8 else BF16_K_MULTIPLE
     for name, value in (("hidden", hidden), ("intermediate", intermediate)):
         if value <= 0 or value % multiple:
             return f"{name}={value} must be a positive multiple of {multiple} for recipe={recipe.name!r}"
@@ -216,6 +221,8 @@ class DeepGemmProvider(GemmProvider):
         _check_recipe(recipe.fp8, _arch_major("a", a))
         _check_pool("a", a, meta)
         _check_pool("b", b, meta)
+        # Each expert's rows are a K of upstream's K-grouped GEMMs, which it takes in multiples of 128.
+        _check_meta(meta, int(dg.get_mk_alignment_for_contiguous_layout()))
         ks = _cached(meta, "deep_gemm.expert_rows", _expert_rows)
         rows = sum(ks)
         a, b = a[:rows], b[:rows]
