@@ -29,24 +29,21 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t 
          | (1ull << 62);
 }
 
-// Descriptor of a K-major operand (rows of 128 bytes, any element type) that starts at MN offset `mn0`
-// (a multiple of 8) of a tile at `tile_addr`, `k_bytes` into each row (a multiple of 32).
-__device__ __forceinline__ uint64_t k_major_desc(uint32_t tile_addr, uint32_t mn0, uint32_t k_bytes) {
-    return make_smem_desc(tile_addr + mn0 * kSwizzleBytes + k_bytes, 16, 1024);
-}
-
-// The same K-major descriptor in two parts, for loops that advance it: the low word (start address
-// and LBO) of the operand at shared address `addr`, and the high word (SBO, 128B swizzle), which is
-// the same for every K-major operand. An operand `bytes` further on (a multiple of 16) has low word
-// k_major_desc_lo(addr) + bytes / 16 as long as addr + bytes stays inside the 256 KiB the 14-bit start
-// field covers, which every shared-memory address of an SM90 CTA does: the add never carries into LBO.
+// The descriptor of a K-major operand (rows of 128 bytes, any element type; LBO unused, SBO 1024) in
+// two parts, for loops that advance it: the low word (start address and LBO) of the operand at shared
+// address `addr`, and the high word (SBO, 128B swizzle), which is the same for every K-major operand.
+// An operand `bytes` further on (a multiple of 16) has low word k_major_desc_lo(addr) + bytes / 16 as
+// long as addr + bytes stays inside the 256 KiB the 14-bit start field covers, which every
+// shared-memory address of an SM90 CTA does: the add never carries into LBO.
 constexpr uint32_t kKMajorDescHi = (1024u >> 4) | (1u << 30);
 
 __device__ __forceinline__ uint32_t k_major_desc_lo(uint32_t addr) {
     return ((addr & 0x3FFFF) >> 4) | ((16u >> 4) << 16);
 }
 
-// k_major_desc(tile_addr, mn0, k_bytes) == k_major_desc_at(k_major_desc_lo(tile_addr), mn0 * 128 + k_bytes).
+// The operand at MN offset mn0 (a multiple of 8) of a tile at tile_addr, k_bytes (a multiple of 32) into
+// each row: make_smem_desc(tile_addr + mn0 * 128 + k_bytes, 16, 1024)
+//        == k_major_desc_at(k_major_desc_lo(tile_addr), mn0 * 128 + k_bytes).
 __device__ __forceinline__ uint64_t k_major_desc_at(uint32_t lo, uint32_t bytes) {
     return (static_cast<uint64_t>(kKMajorDescHi) << 32) | (lo + (bytes >> 4));
 }
