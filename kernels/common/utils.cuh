@@ -46,15 +46,6 @@ __device__ __forceinline__ void store_stream_v4(void* ptr, const uint4& v) {
                  : "memory");
 }
 
-// store_stream_v4 where kStream, else store_v4 (kernels with an evict-first instance).
-template <bool kStream>
-__device__ __forceinline__ void store_v4_maybe_stream(void* ptr, const uint4& v) {
-    if constexpr (kStream)
-        store_stream_v4(ptr, v);
-    else
-        store_v4(ptr, v);
-}
-
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&out)[kBf16PerVec]) {
     const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll

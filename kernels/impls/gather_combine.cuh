@@ -36,7 +36,10 @@ gather_rows_kernel(const void* __restrict__ x, const int* __restrict__ row_to_sl
 #pragma unroll 4
         for (int v = lane_id(); v < vecs_per_row; v += kWarpSize) {
             const uint4 value = src != nullptr ? load_stream_v4(src + v) : make_uint4(0, 0, 0, 0);
-            store_v4_maybe_stream<kStreamStores>(dst + v, value);
+            if constexpr (kStreamStores)
+                store_stream_v4(dst + v, value);
+            else
+                store_v4(dst + v, value);
         }
     }
 }
