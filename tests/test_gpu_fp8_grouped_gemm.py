@@ -59,19 +59,19 @@ _CUOBJDUMP = shutil.which("cuobjdump") or (
 
 def test_fp8_configs_are_registered():
     configs = {group: [c.name for c in items] for group, items in jit.registered_configs().items()}
-    assert configs["sm90_fp8_grouped_gemm"] == ["sm90_fp8_grouped_gemm_nt_n128_s6",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_overlap",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_overlap",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_overlap",
+    assert configs["sm90_fp8_grouped_gemm"] == ["sm90_fp8_grouped_gemm_nt_n128_s5",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_overlap",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_overlap",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted_overlap",
                                                 # clusters of 2 (tests/test_gpu_gemm_clusters.py)
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_c2",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_c2",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_c2",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_overlap_c2",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_overlap_c2",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_weighted_overlap_c2"]
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_overlap_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_overlap_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted_overlap_c2"]
     for name, code, is_gemm in fg.configs():
         assert is_gemm and code.count("sm90_grouped_gemm_kernel<") == 1, name
         assert "mma/sm90_mainloop_fp8.cuh" in code and "dge::gemm::ElementType::E4M3" in code, name
@@ -83,7 +83,10 @@ def test_fp8_configs_are_registered():
     assert "dge::gemm::MainloopFP8, Epilogue, const float*, const float*, CUtensorMap>);" in store.code()
     overlap = fg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap")
     assert overlap.args == store.args
-    assert overlap.code() == store.code().replace("dge::gemm::MainloopFP8,", "dge::gemm::MainloopFP8Overlap,")
+    # The policy names the kernel's mainloop and, in the exported smem size, the mainloop's own bytes.
+    assert "dge::gemm::MainloopFP8<Traits, false>::kSmemBytes>::kTotalBytes" in store.code()
+    assert overlap.code() == (store.code().replace("dge::gemm::MainloopFP8,", "dge::gemm::MainloopFP8Overlap,")
+                              .replace("dge::gemm::MainloopFP8<", "dge::gemm::MainloopFP8Overlap<"))
 
 
 def test_serial_fp8_sources_are_unchanged():
@@ -184,8 +187,12 @@ def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, mainloop):
     kernel = _build(config)
     usage = kernel.resources()
     assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
-    # Same stage bytes as bf16's 128-wide tile (a 128 x 128 e4m3 k-block is 128 x 128 bytes).
-    assert config.smem_bytes() == gg.GemmConfig("nt", 128).smem_bytes() == 230496
+    # Same stage bytes as bf16's 128-wide tile (a 128 x 128 e4m3 k-block is 128 x 128 bytes), 5 stages
+    # of them, each with its 528 bytes of scales (128 row scales, the B scale, padding), after the
+    # epilogue's 32 KiB: 5 x 32 KiB + 32 KiB + 5 x 528 B, the barriers' 1024-byte alignment, 80 bytes of
+    # barriers and the 1024 of the run-time alignment.
+    assert config.stages == 5 and gg.GemmConfig("nt", 128).stages == 6
+    assert config.smem_bytes() == (5 * 32 + 32) * 1024 + 3072 + 80 + 1024 == 200784
     entry = jit.compile_cached(config.name, config.code(), want_ptx=True)
     ptx = entry.ptx_path.read_text()
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
@@ -205,6 +212,13 @@ def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, mainloop):
     sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
                           text=True).stdout
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass, config.name
+    # The scales reach the consumers through shared memory: the producer's 4-byte cp.async copies
+    # (LDGSTS) fill them, and no global load (LDG) sits among the consumers' QGMMAs (before, the
+    # next k-block's scales were loaded there).
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    gmma = [i for i, line in enumerate(lines) if "QGMMA" in line]
+    assert "LDGSTS" in sass, config.name
+    assert not [line for line in lines[gmma[0]:gmma[-1] + 1] if re.search(r"\bLDG\.", line)], config.name
     # wait_group 1 is WARPGROUP.DEPBAR.LE gsb0, 0x1 in SASS.
     depbars = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
     assert depbars == ({"0x0"} if mainloop == "serial" else {"0x0", "0x1"}), f"{config.name}: {depbars}"

@@ -49,8 +49,8 @@ def test_cluster_knob_names_and_sources():
     assert c2.code() == c1.code().replace("256, 4, 1, false", "256, 4, 2, false")
     f1 = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", epilogue="scatter")
     f2 = dataclasses.replace(f1, cluster_n=2)
-    assert f2.name == "sm90_fp8_grouped_gemm_nt_n128_s6_scatter_overlap_c2"
-    assert f2.code() == f1.code().replace("128, 6, 1, false", "128, 6, 2, false")
+    assert f2.name == "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_overlap_c2"
+    assert f2.code() == f1.code().replace("128, 5, 1, false", "128, 5, 2, false")
 
 
 @pytest.mark.parametrize("kwargs", [dict(cluster_n=3), dict(cluster_n=0), dict(cluster_n=True),
@@ -93,7 +93,7 @@ def test_cluster_configs_are_registered():
     assert "sm90_bf16_grouped_gemm_nn_n256_s4_scatter_c2" in names
     for mainloop in ("", "_overlap"):
         for epilogue in ("", "_scatter", "_scatter_weighted"):
-            assert f"sm90_fp8_grouped_gemm_nt_n128_s6{epilogue}{mainloop}_c2" in names
+            assert f"sm90_fp8_grouped_gemm_nt_n128_s5{epilogue}{mainloop}_c2" in names
 
 
 _CLUSTER_CONFIGS = [c for c in gg._all_configs() if c.cluster_n == 2] + [c for c in fg._configs() if c.cluster_n == 2]
@@ -112,7 +112,7 @@ def test_cluster_configs_compile(config):
         pytest.skip("cuobjdump not installed: compile checked, SASS not")
     sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
                           text=True).stdout
-    mma = "QGMMA.64x128x32.F32.E4M3.E4M3" if config.dtype == "fp8" else "HGMMA.64x256x16.F32.BF16"
+    mma = f"QGMMA.64x{config.block_n}x32.F32.E4M3.E4M3" if config.dtype == "fp8" else "HGMMA.64x256x16.F32.BF16"
     assert mma in sass, config.name
     # Half of B per CTA by multicast, the rest (A, B of pairs that do not share) by plain loads.
     assert "UTMALDG.2D.MULTICAST" in sass and re.search(r"UTMALDG\.2D \[", sass), config.name

@@ -152,6 +152,10 @@ _FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
 #: sets, issuing k-block kb + 1 before promoting kb. Same bits under both.
 FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::MainloopFP8Overlap"}
+#: Stages of the fp8 M-grouped GEMMs: each stage also holds its 528 bytes of scales
+#: (MainloopFP8::kStageScaleBytes), so 5 x 32 KiB (6 with them and the epilogue's 32 KiB exceed
+#: 227 KiB). The K-grouped one loads its scales from global memory and keeps 6.
+_FP8_STAGES = 5
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
 #: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
 #: cooperative schedule, unpaired tiles, and the store or combine epilogues.
@@ -258,6 +262,8 @@ class GemmConfig:
 
     @property
     def stages(self) -> int:
+        if self.dtype == "fp8" and self.layout != "k_nt":
+            return _FP8_STAGES
         return _STAGED_STAGES[self.block_n] if self.epilogue_buffers != 2 else _STAGES[self.block_n]
 
     @property
@@ -306,9 +312,12 @@ class GemmConfig:
         if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
             includes = f"#include <{epilogue.header}>\n"
             extra = ", dge::gemm::Schedule::Pingpong" if self.schedule == "pingpong" else ""
+            smem_extra = ""
         else:
             includes = f"#include <{epilogue.header}>\n#include <{mainloop.header}>\n"
             extra = f", dge::gemm::Schedule::Cooperative, dge::gemm::ElementType::{mainloop.element}"
+            # The mainloop's own smem (the fp8 M-grouped mainloop's staged scales).
+            smem_extra = f", {mainloop_cpp}<Traits, false>::kSmemBytes"
         return (includes +
                 "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
                 f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
@@ -316,7 +325,8 @@ class GemmConfig:
                 f"    {self.block_n}, {self.stages}, {self.cluster_n}, {'true' if self.paired_n else 'false'}, {_GROUP_M}"
                 f"{extra}>;\n"
                 f"using Epilogue = {epilogue_cpp};\n"
-                "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>::kTotalBytes))\n"
+                "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue"
+                f"{smem_extra}>::kTotalBytes))\n"
                 "static void* __instantiate = reinterpret_cast<void*>(&dge::gemm::sm90_grouped_gemm_kernel<\n"
                 f"    Traits, {loader}, {mainloop_cpp}, Epilogue, "
                 f"{jit.render_types(self.loader_args + mainloop.args + epilogue.args)}>);\n")

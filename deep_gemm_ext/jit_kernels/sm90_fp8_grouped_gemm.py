@@ -115,6 +115,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     if tuple(sb.shape) != (num_experts, _blocks(n), _blocks(k)):
         raise ValueError(f"sb: shape {tuple(sb.shape)}, expected ({num_experts}, {_blocks(n)}, {_blocks(k)}) (one "
                          f"scale per {SCALE_BLOCK}x{SCALE_BLOCK} block of b_q {tuple(b_q.shape)}, rounded up)")
+    if sa.numel() >= 2 ** 32:
+        raise ValueError(f"sa: {sa.numel()} scales, expected fewer than 2**32 (the kernel's 32-bit scale offsets)")
     _check_multiple("K", k, 16, "16-byte rows of e4m3 for TMA")
     _check_multiple("N", n, 8, "16-byte rows of the bf16 output for TMA")
     _check_inputs(a_q, b_q, 3, starts, ends, names=("a_q", "b_q"), dtype=FP8_DTYPE,

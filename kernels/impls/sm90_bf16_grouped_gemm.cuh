@@ -106,9 +106,13 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using Load = Loader<Traits>;
     using MMA = Mainloop<Traits, Load::kGenericProxyWrites>;
-    using Layout = SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue>;
+    using Layout = SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue, MMA::kSmemBytes>;
+    // A mainloop with a producer part (MMA::kProducerArrivals > 0: the fp8 mainloop's scale copies)
+    // runs it in the producer warpgroup's second warp, which the TMA loaders leave idle.
+    static_assert(MMA::kProducerArrivals == 0 || Load::kCopyArrivals == 0,
+                  "a mainloop's producer warp needs a loader that runs in the producer's first warp only");
     using Pipeline = sm90::TmaPipeline<Traits::kNumStages, Traits::kNumConsumerWarpsPerStage, Traits::kClusterN,
-                                       Load::kCopyArrivals>;
+                                       Load::kCopyArrivals + MMA::kProducerArrivals>;
     using Scheduler =
         sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN,
                                 Load::kOrderedM>;
@@ -163,6 +167,15 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance())
                     loader.load(pipe, st, tile, cols, kb);
             }
+        } else if constexpr (MMA::kProducerArrivals > 0) {
+            if (threadIdx.x / 32 == kNumConsumerWarpgroups * 4 + 1) {
+                // The same tiles in the same order as the loader and the consumers.
+                Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin,
+                                    unit_stride, cta_rank);
+                const typename MMA::Params mainloop_params(smem + Layout::kMainloopOffset, shape_m, shape_n, shape_k,
+                                                           extra_args...);
+                MMA::produce(pipe, scheduler, mainloop_params, lane);
+            }
         }
     } else {
         // Consumer warpgroups: the mainloop on the warpgroup's slices of a tile, then the epilogue.
@@ -173,7 +186,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             scheduler.m_order = Load::m_order(extra_args...);
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
         // The mainloop reads its leading kernel arguments; the epilogue gets the rest.
-        const typename MMA::Params mainloop_params(shape_m, shape_n, shape_k, extra_args...);
+        const typename MMA::Params mainloop_params(smem + Layout::kMainloopOffset, shape_m, shape_n, shape_k,
+                                                   extra_args...);
         sm90::PipelineState<Traits::kNumStages> st;
         sched::GroupedTile tile;
         constexpr uint32_t kSlices = Traits::kSlicesPerWarpgroup;

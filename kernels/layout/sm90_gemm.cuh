@@ -125,14 +125,16 @@ struct StageLayout {
     __device__ __forceinline__ uint32_t b(uint32_t stage) const { return base + kNumStages * kABytes + stage * kBBytes; }
 };
 
-// Dynamic shared memory: the stages, the epilogue's buffers, then the pipeline barriers. This is
-// the one definition of the launch's byte count: the JIT source exports kTotalBytes
-// (DGE_EXPORT_SMEM_BYTES) and the host reads it from the cubin.
-template <uint32_t BLOCK_N, uint32_t kNumStages, class Epilogue>
+// Dynamic shared memory: the stages, the epilogue's buffers, the mainloop's own bytes (kMainloopBytes:
+// the fp8 mainloop's staged scales, Mainloop::kSmemBytes), then the pipeline barriers. This is the one
+// definition of the launch's byte count: the JIT source exports kTotalBytes (DGE_EXPORT_SMEM_BYTES)
+// and the host reads it from the cubin.
+template <uint32_t BLOCK_N, uint32_t kNumStages, class Epilogue, uint32_t kMainloopBytes = 0>
 struct SmemLayout {
     using Stages = StageLayout<BLOCK_N, kNumStages>;
     static constexpr uint32_t kEpilogueOffset = Stages::kBytes;
-    static constexpr uint32_t kBarrierOffset = (kEpilogueOffset + Epilogue::kSmemBytes + 1023) / 1024 * 1024;
+    static constexpr uint32_t kMainloopOffset = (kEpilogueOffset + Epilogue::kSmemBytes + 127) / 128 * 128;
+    static constexpr uint32_t kBarrierOffset = (kMainloopOffset + kMainloopBytes + 1023) / 1024 * 1024;
     static constexpr uint32_t kBarrierBytes = 2 * kNumStages * 8;
     // +1024: the dynamic smem base is aligned up to 1024 bytes at run time (128B swizzle atoms).
     static constexpr uint32_t kTotalBytes = kBarrierOffset + kBarrierBytes + 1024;

@@ -7,9 +7,17 @@
 //   static constexpr uint32_t kNumAccum;     accumulators per thread of one 64-row slice
 //   static constexpr uint32_t kNumArgs;      kernel arguments the mainloop reads: the first kNumArgs
 //                                            after the core's (the epilogue gets the rest)
+//   static constexpr uint32_t kSmemBytes;    shared memory of its own (SmemLayout's mainloop bytes)
+//   static constexpr uint32_t kProducerArrivals;  arrivals of its producer warp on each full barrier
+//                                            (0: none; else the kernel runs produce() below in the
+//                                            producer warpgroup's second warp)
 //   struct Params;                           what it keeps of them, built once per consumer thread:
-//       Params(uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const Args&... args)
-//       from the problem size and the kernel's trailing arguments (mainloop's, then epilogue's)
+//       Params(uint32_t smem, uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const Args&... args)
+//       from its smem bytes' address, the problem size and the kernel's trailing arguments
+//       (mainloop's, then epilogue's)
+//   template <class Pipe, class Scheduler> static void produce(const Pipe&, Scheduler&, const Params&,
+//       uint32_t lane);                      (kProducerArrivals > 0 only) fills its part of each stage
+//                                            for the scheduler's tiles, arriving on the full barriers
 //   template <uint32_t kSlices, class Pipe> static uint32_t mma(float (&acc)[kSlices][kNumAccum],
 //       const Pipe&, PipelineState&, const GroupedTile&, const Params&, const StageLayout&,
 //       uint32_t first_slice, uint32_t lane);
@@ -43,11 +51,13 @@ struct MainloopBF16 {
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     static constexpr uint32_t kNumAccum = MMA::kNumAccum;
     static constexpr uint32_t kNumArgs = 0;
+    static constexpr uint32_t kSmemBytes = 0;
+    static constexpr uint32_t kProducerArrivals = 0;
     static_assert(Traits::kElement == ElementType::BF16, "MainloopBF16: bf16 operands");
 
     struct Params {
         template <class... Args>
-        __device__ Params(uint32_t, uint32_t, uint32_t, const Args&...) {}
+        __device__ Params(uint32_t, uint32_t, uint32_t, uint32_t, const Args&...) {}
     };
 
     template <uint32_t kSlices, class Pipe>

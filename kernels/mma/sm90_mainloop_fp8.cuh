@@ -11,11 +11,16 @@
 // then scaled by sa * sb and added into the tile's fp32 accumulator ("promotion" every 128 of K:
 // the tensor cores' fp8 accumulation is not carried across k-blocks).
 //
-// Scales come from global memory (ld.global.nc), not through the smem ring: sa's rows are
-// ceil(K/128) fp32 apart, which is not the 16-byte multiple a TMA map needs for most K, and a
-// thread needs only three values per k-block (sa of its two accumulator rows, and the tile's one
-// sb, a broadcast load), so they are loaded one k-block ahead, while the wgmmas of the current
-// one run.
+// M-grouped: the scales travel with the stage. Each stage has kStageScaleBytes of its own after the
+// epilogue's buffers (SmemLayout's mainloop bytes): the 128 row scales of the tile's A block and
+// the tile's one B scale of that k-block. The producer warpgroup's second warp fills them
+// (produce(): 4-byte cp.async, lane l rows l + 32 i, lane 0 the B scale, then one noinc arrival
+// per lane on the stage's full barrier), running up to the ring's depth ahead of the consumers
+// as the TMA warp does; sa's rows are ceil(K/128) fp32 apart, not the 16-byte multiple a TMA box
+// needs for most K. A consumer thread reads its two rows' scales and the B scale from the stage
+// with ld.shared after the full barrier, before it frees the stage. Before, each consumer thread
+// loaded them from global memory one k-block ahead: their latency, their addresses and the
+// pointer registers were in the consumers' loop.
 //
 // Two schedules of the same arithmetic (kOverlapPromotion):
 //   serial (false): issue k-block kb's wgmmas into the partial sums, wait for them (wait_group 0),
@@ -25,7 +30,8 @@
 //     wait_group 1 (kb's group done, kb + 1's still running), so one k-block of wgmmas stays in
 //     flight through every promotion but the last. Each stage is freed after the wait that covers
 //     its wgmmas. acc 64 + 2 x 64 partial fp32 registers per thread at BLOCK_N = 128.
-// K-grouped (weight gradients, Traits::kKGrouped, serial schedule only): D[e] = A_e^T B_e with both
+// K-grouped (weight gradients, Traits::kKGrouped, serial schedule only; scales from global memory,
+// loaded by the consumers one k-block ahead): D[e] = A_e^T B_e with both
 // pools quantized along their rows (the contraction) in 128 x 1 tiles, read transposed:
 //
 //   out[e][m, n] = sum over the expert's k-blocks kb of
@@ -71,6 +77,13 @@ struct MainloopFP8 {
     // B scales a thread applies per k-block: the tile's one weight-block scale (M-grouped), or one
     // per accumulator column (K-grouped: columns 8 j + 2 (lane % 4) + t of the tile, index 2 j + t).
     static constexpr uint32_t kNumScalesB = kKGrouped ? kNumAccum / 2 : 1;
+    // M-grouped: a stage's scales in shared memory (file comment), 16-byte aligned: the 128 row
+    // scales, then the tile's B scale.
+    static constexpr bool kStagedScales = !kKGrouped;
+    static constexpr uint32_t kStageScaleBytes = (BLOCK_M + 4) * 4;
+    static constexpr uint32_t kScaleBOffset = BLOCK_M * 4;
+    static constexpr uint32_t kSmemBytes = kStagedScales ? Traits::kNumStages * kStageScaleBytes : 0;
+    static constexpr uint32_t kProducerArrivals = kStagedScales ? 32 : 0;
 
     // The low descriptor words of stage 0's A slice (the warpgroup's first 64-row slice) and B tile,
     // made once per tile; stage st's are these plus st times the stage's bytes / 16, a wgmma's K
@@ -85,6 +98,12 @@ struct MainloopFP8 {
               b(__shfl_sync(0xffffffffu, mma::k_major_desc_lo(stages.b(0)), 0)) {}
     };
 
+    // The staged scales' smem addresses of a consumer thread (staged_scales below).
+    struct StagedScales {
+        uint32_t rows;
+        uint32_t block_b;
+    };
+
     // Where a thread's B scales of k-block kb live (K-grouped): column c of the tile at
     // base + min(c - c0, max_dc) * stride + kb, c0 the thread's first column; columns past N read
     // the last column's scales.
@@ -93,21 +112,22 @@ struct MainloopFP8 {
         uint32_t max_dc;
         uint32_t stride;
     };
-    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;
+    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;  // M-grouped: unused
     using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], float>;
 
     struct Params {
         const float* scale_a;
         const float* scale_b;
+        uint32_t smem;       // the stages' scales (M-grouped)
         uint32_t last_row;   // shape_m - 1: rows of a tile past the pool read the last row's scales
         uint32_t k_blocks;   // ceil(K / 128): scales per row of sa, per block row of sb
         uint32_t n_blocks;   // ceil(N / 128)
         uint32_t last_col;   // shape_n - 1 (K-grouped: columns of a tile past N read the last column's scales)
 
         template <class... Rest>
-        __device__ Params(uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const float* sa, const float* sb,
-                          const Rest&...)
-            : scale_a(sa), scale_b(sb), last_row(shape_m > 0 ? shape_m - 1 : 0),
+        __device__ Params(uint32_t smem_, uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const float* sa,
+                          const float* sb, const Rest&...)
+            : scale_a(sa), scale_b(sb), smem(smem_), last_row(shape_m > 0 ? shape_m - 1 : 0),
               k_blocks((shape_k + kScaleBlock - 1) / kScaleBlock),
               n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock), last_col(shape_n > 0 ? shape_n - 1 : 0) {}
     };
@@ -121,6 +141,35 @@ struct MainloopFP8 {
             return mma_overlap(acc, pipe, st, tile, params, stages, first_slice, lane);
         else
             return mma_serial(acc, pipe, st, tile, params, stages, first_slice, lane);
+    }
+
+    // The producer warpgroup's second warp (M-grouped): each stage's scales, for the same tiles in
+    // the same order as the TMA loads, once the consumers of both CTAs have freed the stage.
+    template <class Pipe, class Scheduler>
+    __device__ __forceinline__ static void produce(const Pipe& pipe, Scheduler& scheduler, const Params& params,
+                                                   uint32_t lane) {
+        static_assert(kStagedScales, "MainloopFP8::produce: the M-grouped GEMM's staged scales");
+        sm90::PipelineState<Traits::kNumStages> st;
+        sched::GroupedTile tile;
+        while (scheduler.next(tile)) {
+            // Few registers live across the k-blocks: the producer warpgroup runs on 40 of them.
+            const uint32_t row0 = tile.m_block * BLOCK_M + lane;
+            const float* scale_b =
+                params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+            for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
+                ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
+                const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
+#pragma unroll
+                for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
+                    // 32-bit element offsets: sa has M * ceil(K/128) < 2^32 elements (the launcher checks).
+                    const uint32_t row = min(row0 + 32 * i, params.last_row);
+                    ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb));
+                }
+                if (lane == 0)
+                    ptx::cp_async_4(dst + kScaleBOffset, scale_b + kb);
+                ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
+            }
+        }
     }
 
     // mma waited for every wgmma and freed every stage (both schedules).
@@ -137,7 +186,10 @@ private:
                                                           const Stages& stages, uint32_t first_slice,
                                                           uint32_t lane) {
         const float* sa_ptr[kSlices][2];
-        const ScalesBPtr sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
+        ScalesBPtr sb_ptr;
+        if constexpr (!kStagedScales)
+            sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
+        const StagedScales scales = staged_scales(params, first_slice, lane);
         const DescBase desc(stages, first_slice);
 
         float partial[kSlices][kNumAccum];
@@ -150,34 +202,41 @@ private:
         float sa[kSlices][2];
         ScalesB sb;
         zero_scales_b(sb);
-        if (tile.num_k_blocks > 0)
-            load_scales(sa, sb, sa_ptr, sb_ptr, 0);
+        if constexpr (!kStagedScales) {
+            if (tile.num_k_blocks > 0)
+                load_scales(sa, sb, sa_ptr, sb_ptr, 0);
+        }
 
         uint32_t last_stage = 0;
         for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();
+            if constexpr (kStagedScales)
+                read_scales(sa, sb, scales, st.stage);
             mma::fence_accumulators(partial);
             ptx::wgmma_fence();
             issue_block(partial, desc, st.stage);
             mma::fence_accumulators(partial);
-            // The next k-block's scales load while this one's wgmmas run.
+            // K-grouped: the next k-block's scales load while this one's wgmmas run.
             float next_sa[kSlices][2];
             ScalesB next_sb;
-            load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < tile.num_k_blocks ? kb + 1 : kb);
+            if constexpr (!kStagedScales)
+                load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < tile.num_k_blocks ? kb + 1 : kb);
             ptx::wgmma_wait_group<0>();
             mma::fence_accumulators(partial);
             pipe.consumer_release(st.stage, lane);
             last_stage = st.stage;
             st.advance();
             promote(acc, partial, sa, sb);
+            if constexpr (!kStagedScales) {
 #pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-                sa[s][0] = next_sa[s][0];
-                sa[s][1] = next_sa[s][1];
+                for (uint32_t s = 0; s < kSlices; ++s) {
+                    sa[s][0] = next_sa[s][0];
+                    sa[s][1] = next_sa[s][1];
+                }
+                copy_scales_b(sb, next_sb);
             }
-            copy_scales_b(sb, next_sb);
         }
         return last_stage;
     }
@@ -190,8 +249,7 @@ private:
                                                            const sched::GroupedTile& tile, const Params& params,
                                                            const Stages& stages, uint32_t first_slice,
                                                            uint32_t lane) {
-        const float* sa_ptr[kSlices][2];
-        const float* sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
+        const StagedScales scales = staged_scales(params, first_slice, lane);
         const DescBase desc(stages, first_slice);
 
         // partial[j] holds the k-blocks kb with kb % 2 == j.
@@ -215,19 +273,19 @@ private:
         mma::fence_accumulators(partial[0]);
         mma::fence_accumulators(partial[1]);
         float sa[kSlices][2], sb;
-        load_scales(sa, sb, sa_ptr, sb_ptr, 0);
         // k-block 0 into partial[0]. Every control-flow join below sees the same wgmmas in flight
         // (partial[0]'s group, holding k-block kb), and both exits wait for all of them: a join
         // with different groups in flight on its two sides makes ptxas serialize the wgmmas.
         uint32_t stage = issue(partial[0], pipe, st, desc);
+        read_scales(sa, sb, scales, stage);
         uint32_t kb = 0;
         for (; kb + 2 < num_k_blocks; kb += 2) {
-            overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, sa_ptr, sb_ptr, stage, kb + 1, lane);
-            overlap_step(acc, partial[1], partial[0], pipe, st, desc, sa, sb, sa_ptr, sb_ptr, stage, kb + 2, lane);
+            overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, scales, stage, lane);
+            overlap_step(acc, partial[1], partial[0], pipe, st, desc, sa, sb, scales, stage, lane);
         }
         // One or two k-blocks left, the first in flight in partial[0].
         if (kb + 1 < num_k_blocks) {
-            overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, sa_ptr, sb_ptr, stage, kb + 1, lane);
+            overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, scales, stage, lane);
             last_step(acc, partial[1], pipe, sa, sb, stage, lane);
         } else {
             last_step(acc, partial[0], pipe, sa, sb, stage, lane);
@@ -253,21 +311,20 @@ private:
         return stage;
     }
 
-    // `cur` holds k-block next_kb - 1 in flight, read from `stage` with scales sa, sb: issues
-    // k-block next_kb into `next`, waits for cur's group only, frees its stage and promotes it.
-    // Leaves `stage`, sa and sb those of next_kb.
+    // `cur` holds a k-block in flight, read from `stage` with scales sa, sb: issues the next
+    // k-block into `next`, waits for cur's group only, frees its stage and promotes it. Leaves
+    // `stage`, sa and sb those of the next k-block.
     template <uint32_t kSlices, class Pipe>
     __device__ __forceinline__ static void overlap_step(float (&acc)[kSlices][kNumAccum],
                                                         float (&cur)[kSlices][kNumAccum],
                                                         float (&next)[kSlices][kNumAccum], const Pipe& pipe,
                                                         sm90::PipelineState<Traits::kNumStages>& st,
                                                         const DescBase& desc, float (&sa)[kSlices][2], float& sb,
-                                                        const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
-                                                        uint32_t& stage, uint32_t next_kb, uint32_t lane) {
+                                                        const StagedScales& scales, uint32_t& stage, uint32_t lane) {
         const uint32_t next_stage = issue(next, pipe, st, desc);
-        // next_kb's scales load while both groups run.
+        // The next k-block's scales, read while both groups run.
         float next_sa[kSlices][2], next_sb;
-        load_scales(next_sa, next_sb, sa_ptr, sb_ptr, next_kb);
+        read_scales(next_sa, next_sb, scales, next_stage);
         ptx::wgmma_wait_group<1>();
         mma::fence_accumulators(cur);
         pipe.consumer_release(stage, lane);
@@ -341,35 +398,56 @@ private:
         }
     }
 
-    // Where each thread's row scales (its two rows of every 64-row slice) and the tile's weight-block
-    // scales start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w, lane l) of
-    // the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the
-    // others) of each slice. Rows past the pool read the last row's scales.
-    // K-grouped: the rows are the expert's M rows, k-block kb of the tile is the pool's k-block
-    // k_row / 128 + kb, and the B scales are the thread's columns' (ColumnScales).
+    // The staged scales (M-grouped): smem addresses in stage 0 of this thread's first row scale and
+    // of the tile's B scale. wgmma m64 fragment: thread (warp w, lane l) of the warpgroup holds rows
+    // 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the others) of each slice.
+    __device__ __forceinline__ static StagedScales staged_scales(const Params& params, uint32_t first_slice,
+                                                                 uint32_t lane) {
+        const uint32_t warp = (threadIdx.x % 128) / 32;
+        return StagedScales{params.smem + (first_slice * 64 + warp * 16 + lane / 4) * 4,
+                            params.smem + kScaleBOffset};
+    }
+
+    // A stage's scales of this thread's rows (slice s: rows + 64 s and + 64 s + 8) and the tile's B
+    // scale (the same address in every thread: a broadcast).
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], float& sb, const StagedScales& scales,
+                                                       uint32_t stage) {
+        const uint32_t offset = stage * kStageScaleBytes;
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+            sa[s][0] = ptx::ld_shared_f32(scales.rows + offset + s * 64 * 4);
+            sa[s][1] = ptx::ld_shared_f32(scales.rows + offset + (s * 64 + 8) * 4);
+        }
+        sb = ptx::ld_shared_f32(scales.block_b + offset);
+    }
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void read_scales(float (&)[kSlices][2], float (&)[kNumScalesB],
+                                                       const StagedScales&, uint32_t) {}
+
+    // K-grouped: where each thread's row scales (its two rows of every 64-row slice) and its columns'
+    // scales (ColumnScales) start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w,
+    // lane l) of the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and
+    // 16 w + l / 4 + 8 (the others) of each slice. Rows past M read the last row's scales. The rows are
+    // the expert's M rows, k-block kb of the tile is the pool's k-block k_row / 128 + kb.
     template <uint32_t kSlices>
     __device__ __forceinline__ static ScalesBPtr scale_pointers(const float* (&sa_ptr)[kSlices][2],
                                                              const sched::GroupedTile& tile, const Params& params,
                                                              uint32_t first_slice, uint32_t lane) {
+        static_assert(kKGrouped, "MainloopFP8::scale_pointers: the M-grouped GEMM's scales are staged");
         const uint32_t warp = (threadIdx.x % 128) / 32;
 #pragma unroll
         for (uint32_t s = 0; s < kSlices; ++s) {
 #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
                 const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
-                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
-                if constexpr (kKGrouped)
-                    sa_ptr[s][h] += tile.k_row / kScaleBlock;
+                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks +
+                               tile.k_row / kScaleBlock;
             }
         }
-        if constexpr (kKGrouped) {
-            const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
-            const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
-            return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
-        } else {
-            return params.scale_b +
-                   (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
-        }
+        const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
+        const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
+        return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
     }
 
     __device__ __forceinline__ static void zero_scales_b(float& sb) { sb = 0.0f; }
@@ -399,18 +477,6 @@ private:
             const uint32_t dc = min(8 * (i / 2) + (i & 1), sb_ptr.max_dc);
             sb[i] = __ldg(sb_ptr.base + static_cast<uint64_t>(dc) * sb_ptr.stride + kb);
         }
-    }
-
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], float& sb,
-                                                       const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
-                                                       uint32_t kb) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            sa[s][0] = __ldg(sa_ptr[s][0] + kb);
-            sa[s][1] = __ldg(sa_ptr[s][1] + kb);
-        }
-        sb = __ldg(sb_ptr + kb);
     }
 };
 

@@ -1,5 +1,6 @@
 #pragma once
-// Shared-memory stores with warp-cooperative layouts, and 16-byte shared / global accesses.
+// Shared-memory stores with warp-cooperative layouts, 16-byte shared / global accesses, and the
+// cp.async copies (16 bytes, or 4) with their barrier arrival.
 
 #include <cstdint>
 
@@ -19,6 +20,12 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
     return v;
 }
 
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
+}
+
 __device__ __forceinline__ void st_global_v4(void* ptr, const uint4& v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -34,6 +41,12 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // the rest (0: a zero chunk, and `src` is not read).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// 4-byte global -> shared copy (cp.async.ca: the sector stays in L1, where the next 4-byte
+// neighbours of `src` are read from).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
 
 // Arrives on `bar` once all of this thread's earlier cp.async copies have landed; the barrier's
