@@ -19,8 +19,9 @@ argument; DGE_GEMM_SCHEDULE for the layer) and of one dense cuBLAS GEMM (torch.m
 --fp8: per M-grouped GEMM of each workload (L1/L2 forward, and the dgrads on the transposed weight
 copies), TFLOP/s of our blockwise-fp8 GEMM (m_grouped_fp8_gemm_nt_contiguous, operands quantized by
 recipes.fp8 beforehand, not timed) under both mainloop schedules ("serial", the default, and
-"overlap") next to our bf16 GEMM on the same random operands; the "bits" column says whether the
-two fp8 schedules' outputs are equal bit for bit. A second table has the two weight-gradient GEMMs
+"overlap"), and "overlap" with K compiled in (``static_k=True``, as the layer runs it), next to our bf16
+GEMM on the same random operands; the "bits" column says whether the three fp8 outputs are equal bit
+for bit. A second table has the two weight-gradient GEMMs
 (dW1 = dh^T x, dW2 = dy^T act): our bf16 K-grouped GEMM against the fp8 K-grouped one
 (k_grouped_fp8_gemm_nt_contiguous) without and with the two quantization passes that make its
 operands (quantize_cols_transposed_fp8 of each pool), and the fp8 result's relative error against
@@ -193,8 +194,8 @@ def _schedule_table(args) -> int:
 
 
 def _fp8_cases(w):
-    """(name, dense (M, N, K), bf16 GEMM, fp8 GEMM with the serial mainloop, with the overlap mainloop)
-    per M-grouped GEMM of the layer, on the same random operands (fp8: quantized once here, 1x128
+    """(name, dense (M, N, K), bf16 GEMM, fp8 GEMM with the serial mainloop, with the overlap mainloop, with
+    the overlap mainloop and K compiled in (``static_k``, the layer's)) per M-grouped GEMM of the layer, on the same random operands (fp8: quantized once here, 1x128
     activations and 128x128 weight blocks), and a function giving the mask of the pool rows the
     experts own."""
     torch.manual_seed(0)
@@ -212,11 +213,12 @@ def _fp8_cases(w):
     w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
     q = {name: fp8_recipe.quantize_rows(t) for name, t in (("x", x), ("act", act), ("dy", dy), ("dh", dh))}
 
-    def fp8(a, weights, mainloop):
-        return lambda: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *weights, starts, ends, mainloop=mainloop)
+    def fp8(a, weights, mainloop, static_k=False):
+        return lambda: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *weights, starts, ends, mainloop=mainloop,
+                                                           static_k=static_k)
 
     def both(a, weights):
-        return fp8(a, weights, "serial"), fp8(a, weights, "overlap")
+        return fp8(a, weights, "serial"), fp8(a, weights, "overlap"), fp8(a, weights, "overlap", True)
 
     def owned_rows():
         own = torch.zeros(rows, dtype=torch.bool, device="cuda")
@@ -300,29 +302,36 @@ def _fp8_table(args) -> int:
     for workload in args.workload or ("qwen3-30b-a3b-t16384",):
         w = WORKLOADS[workload]
         cases, owned_rows = _fp8_cases(w)
-        for name, (m, n, k), bf16, fp8, overlap in cases:
+        for name, (m, n, k), bf16, fp8, overlap, static in cases:
             flops = 2.0 * m * n * k
-            # The two schedules must agree bit for bit on the rows the experts own (the pool's
-            # alignment gaps and its rows past the last expert are never written).
+            # The schedules and the compiled-in K must agree bit for bit on the rows the experts own
+            # (the pool's alignment gaps and its rows past the last expert are never written).
             own = owned_rows()
-            same = torch.equal(fp8()[own].view(torch.int16), overlap()[own].view(torch.int16))
-            bf16_ms, fp8_ms, overlap_ms = (median_ms(f, args.reps, calls=args.calls) for f in (bf16, fp8, overlap))
+            ref = fp8()[own].view(torch.int16)
+            same = all(torch.equal(f()[own].view(torch.int16), ref) for f in (overlap, static))
+            bf16_ms, fp8_ms, overlap_ms, static_ms = (median_ms(f, args.reps, calls=args.calls)
+                                                      for f in (bf16, fp8, overlap, static))
             results.append({"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bf16_us": bf16_ms * 1e3,
                              "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
                              "fp8_tflops": flops / fp8_ms / 1e9, "fp8_overlap_us": overlap_ms * 1e3,
-                             "fp8_overlap_tflops": flops / overlap_ms / 1e9, "fp8_overlap_bit_identical": same})
+                             "fp8_overlap_tflops": flops / overlap_ms / 1e9, "fp8_static_k_us": static_ms * 1e3,
+                             "fp8_static_k_tflops": flops / static_ms / 1e9, "fp8_overlap_bit_identical": same})
         torch.cuda.empty_cache()
     print(f"TFLOP/s on {torch.cuda.get_device_name()}: our bf16 GEMM (nt forward, nn dgrad) and our blockwise-fp8 "
-          "GEMM (nt on the transposed weight copy for the dgrads), mainloop 'serial' (fp8) and 'overlap' (ovl)")
+          "GEMM (nt on the transposed weight copy for the dgrads), mainloop 'serial' (fp8) and 'overlap' (ovl), "
+          "and 'overlap' with K compiled in (static K, the layer's)")
     print(f"{'workload':<22} | {'gemm':<10} | {'M x N x K':>20} | {'bf16 us':>8} | {'bf16':>6} | {'fp8 us':>8} | "
-          f"{'fp8':>6} | {'ovl us':>8} | {'ovl':>6} | fp8/bf16 | ovl/bf16 | ovl/fp8 | bits")
+          f"{'fp8':>6} | {'ovl us':>8} | {'ovl':>6} | {'stat us':>8} | {'stat':>6} | fp8/bf16 | ovl/bf16 | "
+          f"stat/bf16 | ovl/fp8 | stat/ovl | bits")
     for r in results:
         shape = f"{r['m']}x{r['n']}x{r['k']}"
         print(f"{r['workload']:<22} | {r['gemm']:<10} | {shape:>20} | {r['bf16_us']:8.1f} | {r['bf16_tflops']:6.1f} | "
               f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_overlap_us']:8.1f} | "
-              f"{r['fp8_overlap_tflops']:6.1f} | {r['fp8_tflops'] / r['bf16_tflops']:7.2f}x | "
-              f"{r['fp8_overlap_tflops'] / r['bf16_tflops']:7.2f}x | "
+              f"{r['fp8_overlap_tflops']:6.1f} | {r['fp8_static_k_us']:8.1f} | {r['fp8_static_k_tflops']:6.1f} | "
+              f"{r['fp8_tflops'] / r['bf16_tflops']:7.2f}x | {r['fp8_overlap_tflops'] / r['bf16_tflops']:7.2f}x | "
+              f"{r['fp8_static_k_tflops'] / r['bf16_tflops']:8.2f}x | "
               f"{r['fp8_overlap_tflops'] / r['fp8_tflops']:6.2f}x | "
+              f"{r['fp8_static_k_tflops'] / r['fp8_overlap_tflops']:7.2f}x | "
               f"{'same' if r['fp8_overlap_bit_identical'] else 'DIFFER'}")
     print()
     wgrad = _wgrad_table(args)

@@ -663,3 +663,109 @@ def test_overlap_mainloop_deterministic(exact_fp32_matmul):
     first = _both(ops, starts, ends, (rows, 1536))[1]
     for _ in range(3):
         _assert_same_bits(_both(ops, starts, ends, (rows, 1536))[1], first, "seed=32 repeat")
+
+
+# -- K compiled in (static_k) against K as an argument ----------------------------------------------------
+
+
+def test_static_k_configs():
+    assert gg.FP8_STATIC_K_STAGES == (5, 4, 3)
+    # The deepest ring (of 5, 4, 3) that divides ceil(K / 128); None: no kernel with K compiled in.
+    assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 256, 16)] == \
+        [4, 3, 4, 4, 4, 5, 5, None, None, None, None]
+    c = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter", shape_k=2048)
+    assert c.stages == 4 and c.name == "sm90_fp8_grouped_gemm_nt_n128_s4_scatter_overlap_c2_k2048"
+    runtime = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter")
+    # Only the ring depth and the traits' trailing K differ from the K-argument kernel's source.
+    assert c.code() == runtime.code().replace("128, 5, 2, false", "128, 4, 2, false").replace(
+        "ElementType::E4M3>;", "ElementType::E4M3, 2048>;")
+    assert c.args == runtime.args
+    # The K-argument kernels stay the registered (prebuilt) ones; K-compiled ones are built on first use.
+    assert all("_k" not in config.name.split("_n128")[1] for config in fg._configs())
+    for kwargs, match in ((dict(shape_k=2048), r"K is compiled into the M-grouped fp8 GEMMs only"),
+                          (dict(dtype="fp8", shape_k=896), r"shape_k=896: its 7 k-blocks are a multiple of none"),
+                          (dict(dtype="fp8", shape_k=-128), r"shape_k=-128, expected a non-negative int"),
+                          (dict(dtype="fp8", shape_k=True), r"shape_k=True, expected a non-negative int")):
+        with pytest.raises(ValueError, match=match):
+            gg.GemmConfig("nt", 128, **kwargs)
+    with pytest.raises(ValueError, match=r"shape_k=2048 with dtype='fp8', layout='k_nt'"):
+        gg.GemmConfig("k_nt", 128, dtype="fp8", shape_k=2048)
+
+
+def test_static_k_argument_is_checked():
+    a_q = torch.zeros(128, 256, dtype=E4M3)
+    sa = torch.ones(128, 2)
+    b_q = torch.zeros(1, 128, 256, dtype=E4M3)
+    sb = torch.ones(1, 1, 2)
+    z = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"static_k=1: expected a bool"):
+        m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, z, z, static_k=1)
+
+
+@requires_compiler
+def test_static_k_kernel_unrolls_its_k_loop():
+    # K = 2048 with the overlap mainloop: the consumers' loop over a tile holds all 16 k-blocks' QGMMAs
+    # (4 each) and no loop over k-blocks is left inside it; no spills.
+    config = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", shape_k=2048)
+    kernel = _build(config)
+    assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
+    # 4 stages, the epilogue's 32 KiB, 4 x 528 bytes of scales, rounded up to 1 KiB; 64 bytes of barriers.
+    assert config.smem_bytes() == -(-((4 * 32 + 32) * 1024 + 4 * 528) // 1024) * 1024 + 64 + 1024 == 168000
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: compile checked, SASS not")
+    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+    assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") >= 64, config.name
+
+
+def _static_and_argument(ops, starts, ends, out_shape, scatter=None, **kwargs):
+    """The GEMM with K as an argument and with K compiled in, into NaN-poisoned outputs."""
+    outs = []
+    for static_k in (False, True):
+        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, static_k=static_k,
+                                                **kwargs) is out
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
+
+
+# 16, 6, 12, 5 and 3 k-blocks (rings of 4, 3, 4, 5, 3), a ragged last k-block (1200), 7 k-blocks (no
+# ring divides them: the K-argument kernel runs).
+_STATIC_K = [2048, 768, 1536, 640, 384, 1200, 896]
+
+
+@requires_hopper
+@pytest.mark.parametrize("mainloop", ["overlap", "serial"])
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("k", _STATIC_K)
+def test_static_k_is_bit_identical(k, cluster_n, mainloop, exact_fp32_matmul):
+    seed = 4100 + k + 10 * cluster_n + len(mainloop)
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, meta = _routed(700, 12, 4, "zipf", g)
+    n = 384
+    ops = _gaussian_operands(rows, k, 12, n, pad, g)
+    where = f"seed={seed} k={k} cluster_n={cluster_n} {mainloop}"
+    argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop=mainloop, cluster_n=cluster_n)
+    _assert_same_bits(static, argument, where)
+    _check(static, *ops, starts, ends, mode="realistic", what=where)
+    # The combine epilogue too (weighted slot scatter; unused slots stay NaN).
+    num_slots = 700 * 4
+    scatter = gg.Scatter(meta.row_to_slot, num_slots, torch.rand(700, 4, generator=g).cuda())
+    argument, static = _static_and_argument(ops, starts, ends, (num_slots, n), scatter=scatter, mainloop=mainloop,
+                                            cluster_n=cluster_n)
+    _assert_same_bits(static, argument, where + " scatter")
+
+
+@requires_hopper
+def test_static_k_many_tiles_per_cta_at_qwen3_30b(exact_fp32_matmul):
+    # 128 experts, 2048 tokens x top-8: many tiles per CTA, so each CTA's ring wraps many times (every
+    # tile must start at stage 0, as the unrolled loop assumes).
+    seed = 4242
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
+    for k, n in ((2048, 1536), (768, 2048)):
+        ops = _int_operands(rows, k, 128, n, pad, g, exact=True)
+        argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="overlap")
+        _assert_same_bits(static, argument, f"seed={seed} k={k}")
+        _check(static, *ops, starts, ends, mode="exact", what=f"seed={seed} k={k} static")

@@ -156,6 +156,16 @@ FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::Main
 #: (MainloopFP8::kStageScaleBytes), so 5 x 32 KiB (6 with them and the epilogue's 32 KiB exceed
 #: 227 KiB). The K-grouped one loads its scales from global memory and keeps 6.
 _FP8_STAGES = 5
+#: Ring depths of the fp8 GEMMs with K compiled in (GemmConfig.shape_k), most preferred first: the
+#: k-block count must be a multiple of the depth (every tile then starts at stage 0).
+FP8_STATIC_K_STAGES = (5, 4, 3)
+
+
+def fp8_static_k_stages(shape_k: int) -> int | None:
+    """The ring depth of the fp8 M-grouped GEMM with K = shape_k compiled in, or None where no depth of
+    FP8_STATIC_K_STAGES divides its ceil(K / 128) k-blocks."""
+    k_blocks = -(-shape_k // 128)
+    return next((s for s in FP8_STATIC_K_STAGES if k_blocks % s == 0), None) if k_blocks > 0 else None
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
 #: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
 #: cooperative schedule, unpaired tiles, and the store or combine epilogues.
@@ -197,6 +207,11 @@ class GemmConfig:
     # arrived (LoaderGatherCpAsyncAwait: the L1 forward overlapped with the expert-parallel
     # dispatch, DGE_EP_OVERLAP); its kernel arguments are AWAIT_ARGS.
     await_rows: bool = False
+    # K compiled into the kernel (M-grouped fp8 only; 0: K is a kernel argument): the mainloop's trip
+    # count is a constant, and the ring is as deep as the largest of FP8_STATIC_K_STAGES that divides
+    # the k-block count, so every tile starts at stage 0 (GemmTraits::kStaticRing). fp8_static_k_stages()
+    # says which K can be.
+    shape_k: int = 0
 
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
@@ -259,9 +274,20 @@ class GemmConfig:
             wrong = {k: getattr(self, k) for k, v in _AWAIT_RULES.items() if getattr(self, k) != v}
             if wrong:
                 raise ValueError(f"GemmConfig: await_rows=True takes {_AWAIT_RULES}, got {wrong}")
+        if isinstance(self.shape_k, bool) or not isinstance(self.shape_k, int) or self.shape_k < 0:
+            raise ValueError(f"GemmConfig: shape_k={self.shape_k!r}, expected a non-negative int (0: K at run time)")
+        if self.shape_k:
+            if self.dtype != "fp8" or self.layout != "nt":
+                raise ValueError(f"GemmConfig: shape_k={self.shape_k} with dtype={self.dtype!r}, "
+                                 f"layout={self.layout!r}: K is compiled into the M-grouped fp8 GEMMs only")
+            if fp8_static_k_stages(self.shape_k) is None:
+                raise ValueError(f"GemmConfig: shape_k={self.shape_k}: its {-(-self.shape_k // 128)} k-blocks are a "
+                                 f"multiple of none of the ring depths {FP8_STATIC_K_STAGES}")
 
     @property
     def stages(self) -> int:
+        if self.shape_k:
+            return fp8_static_k_stages(self.shape_k)
         if self.dtype == "fp8" and self.layout != "k_nt":
             return _FP8_STAGES
         return _STAGED_STAGES[self.block_n] if self.epilogue_buffers != 2 else _STAGES[self.block_n]
@@ -287,6 +313,8 @@ class GemmConfig:
             name += f"_e{self.epilogue_buffers}"
         if self.await_rows:
             name += "_await"
+        if self.shape_k:
+            name += f"_k{self.shape_k}"
         return name
 
     @property
@@ -316,6 +344,8 @@ class GemmConfig:
         else:
             includes = f"#include <{epilogue.header}>\n#include <{mainloop.header}>\n"
             extra = f", dge::gemm::Schedule::Cooperative, dge::gemm::ElementType::{mainloop.element}"
+            if self.shape_k:
+                extra += f", {self.shape_k}"
             # The mainloop's own smem (the fp8 M-grouped mainloop's staged scales).
             smem_extra = f", {mainloop_cpp}<Traits, false>::kSmemBytes"
         return (includes +

@@ -36,12 +36,15 @@ is the fp32 reference. Serial mainloop only (the per-column B scales take 32 reg
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import jit
-from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_MAINLOOPS, GemmConfig, Scatter, _check_cluster,
-                                     _check_expert_weight, _check_inputs, _check_multiple, _check_out, _check_scatter,
-                                     _check_tensor, _launch, _store_or_scatter_args)
+from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_MAINLOOPS, GemmConfig, Scatter,
+                                     _check_cluster, _check_expert_weight, _check_inputs, _check_multiple, _check_out,
+                                     _check_scatter, _check_tensor, _launch, _store_or_scatter_args,
+                                     fp8_static_k_stages)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -79,10 +82,30 @@ def _blocks(size: int) -> int:
     return -(-size // SCALE_BLOCK)
 
 
+#: (K-argument configuration, K) -> the configuration that runs (static_k=True).
+_STATIC_K_CONFIGS: dict = {}
+
+
+def _static_k_config(config: GemmConfig, k: int) -> GemmConfig:
+    """``config`` with K compiled in, where a ring depth divides its k-blocks and the kernel (built here
+    on first use) does not spill: an unrolled loop that spills would run slower than the K-argument
+    kernel, which is then the one returned."""
+    key = (config, k)
+    chosen = _STATIC_K_CONFIGS.get(key)
+    if chosen is None:
+        chosen = config
+        if fp8_static_k_stages(k) is not None:
+            static = dataclasses.replace(config, shape_k=k)
+            if all(u.spill_bytes == 0 for u in static.kernel().resources()):
+                chosen = static
+        _STATIC_K_CONFIGS[key] = chosen
+    return chosen
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: torch.Tensor, sb: torch.Tensor,
                                      starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None, *,
                                      scatter: Scatter | None = None, mainloop: str = "serial",
-                                     cluster_n: int = 1) -> torch.Tensor:
+                                     cluster_n: int = 1, static_k: bool = False) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = dequant(a_q, sa)[r] @ dequant(b_q, sb)[e].T`` for every pool row r
     of expert e, accumulated in fp32 with the scales applied per 128-wide k-block (module docstring).
 
@@ -93,11 +116,16 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     and row r goes to out[row_to_slot[r]] (times the slot's weight when given), as in
     ``m_grouped_bf16_gemm_nt_contiguous``. ``mainloop``: the mainloop's schedule, "serial" or "overlap"
     (MAINLOOP_SCHEDULES), the same bits under both. ``cluster_n``: CTAs per cluster (1 or 2: adjacent
-    M blocks share the B tile by multicast), the same bits under both.
+    M blocks share the B tile by multicast), the same bits under both. ``static_k``: run a kernel
+    with this K compiled in (built on first use for each K), where its k-block count is a multiple of
+    one of ``sm90_bf16_grouped_gemm.FP8_STATIC_K_STAGES`` and it compiles without spills (else the
+    K-argument kernel); the same bits.
     """
     if not isinstance(mainloop, str) or mainloop not in MAINLOOP_SCHEDULES:
         raise ValueError(f"mainloop={mainloop!r}: expected one of {MAINLOOP_SCHEDULES}")
     _check_cluster(cluster_n)
+    if not isinstance(static_k, bool):
+        raise ValueError(f"static_k={static_k!r}: expected a bool")
     # Types and shapes first (checkable anywhere), then devices.
     for label, t, dim, dtype in (("a_q", a_q, 2, FP8_DTYPE), ("sa", sa, 2, torch.float32), ("b_q", b_q, 3, FP8_DTYPE),
                                  ("sb", sb, 3, torch.float32), ("starts", starts, 1, torch.int32),
@@ -130,6 +158,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
     config = GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
                         cluster_n=cluster_n)
+    if static_k:
+        config = _static_k_config(config, k)
     with jit.device_guard(a_q):
         b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
         _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,

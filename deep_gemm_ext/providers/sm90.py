@@ -34,6 +34,10 @@ _FP8_SCATTER_CLUSTER = 2
 # (L1 forward N = 1536 / 3072, L2 dgrad N = 1536), where the 768-wide L2 dgrad at Qwen3-30B measured
 # 0.92x (docs/perf-notes.md v21).
 _FP8_STORE_CLUSTER_MIN_N = 1536
+# The fp8 GEMMs run kernels with their K compiled in (a kernel per K of the layer, built on first use),
+# where the k-block count allows a ring depth that divides it: the mainloop unrolls over a known trip
+# count with every k-block's stage a constant (docs/perf-notes.md v25).
+_FP8_STATIC_K = True
 
 
 def _gather(g: Gather | None, src):
@@ -110,12 +114,13 @@ class Sm90Provider(GemmProvider):
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
-                                                    mainloop=_FP8_MAINLOOP, cluster_n=_FP8_SCATTER_CLUSTER)
+                                                    mainloop=_FP8_MAINLOOP, cluster_n=_FP8_SCATTER_CLUSTER,
+                                                    static_k=_FP8_STATIC_K)
         out = _unowned_zeroed(a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16), meta) \
             if zero_unowned else None
         cluster = 2 if b_q.shape[1] >= _FP8_STORE_CLUSTER_MIN_N else 1
         return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP,
-                                                cluster_n=cluster)
+                                                cluster_n=cluster, static_k=_FP8_STATIC_K)
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8 and recipe.fp8_wgrad:

@@ -42,10 +42,10 @@ enum class ElementType : uint32_t { BF16 = 0, E4M3 = 1 };
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
 // CTAs per cluster (kClusterN: 1, or 2 on adjacent M blocks sharing B by multicast), paired N
 // tiling (below), the scheduler's M-block group, the consumer
-// schedule and the operand element type.
+// schedule, the operand element type, and K when it is compiled in (kShapeK, 0: a kernel argument).
 template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
           uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, Schedule kSchedule_ = Schedule::Cooperative,
-          ElementType kElement_ = ElementType::BF16>
+          ElementType kElement_ = ElementType::BF16, uint32_t kShapeK_ = 0>
 struct GemmTraits {
     static constexpr GroupedGemmType kType = kType_;
     static constexpr Major kMajorA = kMajorA_;
@@ -60,6 +60,13 @@ struct GemmTraits {
     // K elements per k-block (one stage): 128 bytes of each operand row.
     static constexpr uint32_t kBlockK = kElement == ElementType::BF16 ? BLOCK_K : 128;
     static constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
+    // K compiled in (M-grouped fp8): every tile has the same kNumKBlocks k-blocks, the mainloop's
+    // loop has a known trip count, and where kNumKBlocks is a multiple of the ring's depth every tile
+    // starts at stage 0 (kStaticRing), so each k-block's stage, barriers and smem offsets are
+    // constants of the unrolled loop.
+    static constexpr uint32_t kShapeK = kShapeK_;
+    static constexpr uint32_t kNumKBlocks = (kShapeK + kBlockK - 1) / kBlockK;
+    static constexpr bool kStaticRing = kShapeK > 0 && kNumKBlocks % kNumStages == 0;
     static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
     static constexpr bool kPingpong = kSchedule == Schedule::Pingpong;
     // 64-row slices of a tile per consumer warpgroup, and the consumer warps that read each stage.
@@ -76,6 +83,8 @@ struct GemmTraits {
                   "K-grouped GEMM: bf16 operands MN-major (rows of the pool are the contraction), e4m3 operands "
                   "K-major (the transposed pools)");
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
+    static_assert(kShapeK == 0 || (kElement == ElementType::E4M3 && kType == GroupedGemmType::MGroupedContiguous),
+                  "K is compiled into the M-grouped fp8 GEMMs only");
     static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs");
     // Two 64 x BLOCK_N fp32 accumulator slices must fit the consumer's 232 registers.

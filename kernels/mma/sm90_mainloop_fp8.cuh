@@ -156,6 +156,7 @@ struct MainloopFP8 {
             const uint32_t row0 = tile.m_block * BLOCK_M + lane;
             const float* scale_b =
                 params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+#pragma unroll 1
             for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
                 ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
                 const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
@@ -207,8 +208,9 @@ private:
                 load_scales(sa, sb, sa_ptr, sb_ptr, 0);
         }
 
+        const uint32_t num_k_blocks = tile_k_blocks(tile, st);
         uint32_t last_stage = 0;
-        for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+        for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();
@@ -222,7 +224,7 @@ private:
             float next_sa[kSlices][2];
             ScalesB next_sb;
             if constexpr (!kStagedScales)
-                load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < tile.num_k_blocks ? kb + 1 : kb);
+                load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < num_k_blocks ? kb + 1 : kb);
             ptx::wgmma_wait_group<0>();
             mma::fence_accumulators(partial);
             pipe.consumer_release(st.stage, lane);
@@ -263,7 +265,7 @@ private:
                     partial[j][s][i] = 0.0f;
             }
         }
-        const uint32_t num_k_blocks = tile.num_k_blocks;
+        const uint32_t num_k_blocks = tile_k_blocks(tile, st);
         if (num_k_blocks == 0)
             return 0;
         // Every accumulator register gets its own value before the first wgmma: otherwise the
@@ -291,6 +293,19 @@ private:
             last_step(acc, partial[0], pipe, sa, sb, stage, lane);
         }
         return stage;
+    }
+
+    // The tile's k-blocks: the compiled-in count (Traits::kShapeK), or the scheduler's. With a static
+    // ring (Traits::kStaticRing) every tile starts at stage 0, since each consumes a multiple of the
+    // ring's depth; saying so makes every k-block's stage a constant of the unrolled loop.
+    __device__ __forceinline__ static uint32_t tile_k_blocks(const sched::GroupedTile& tile,
+                                                             sm90::PipelineState<Traits::kNumStages>& st) {
+        if constexpr (Traits::kStaticRing)
+            st.stage = 0;
+        if constexpr (Traits::kShapeK != 0)
+            return Traits::kNumKBlocks;
+        else
+            return tile.num_k_blocks;
     }
 
     // Waits for the next stage's full barrier and issues its wgmmas into `partial` (one commit
