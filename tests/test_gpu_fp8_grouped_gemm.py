@@ -669,10 +669,10 @@ def test_overlap_mainloop_deterministic(exact_fp32_matmul):
 
 
 def test_static_k_configs():
-    assert gg.FP8_STATIC_K_STAGES == (5, 4, 3)
-    # The deepest ring (of 5, 4, 3) that divides ceil(K / 128); None: no kernel with K compiled in.
-    assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 256, 16)] == \
-        [4, 3, 4, 4, 4, 5, 5, None, None, None, None]
+    assert gg.FP8_STATIC_K_STAGES == (5, 4)
+    # The deepest ring (of 5, 4) that divides ceil(K / 128); None: no kernel with K compiled in.
+    assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 512, 16)] == \
+        [4, None, 4, 4, 4, 5, 5, None, None, 4, None]
     c = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter", shape_k=2048)
     assert c.stages == 4 and c.name == "sm90_fp8_grouped_gemm_nt_n128_s4_scatter_overlap_c2_k2048"
     runtime = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter")
@@ -684,6 +684,7 @@ def test_static_k_configs():
     assert all("_k" not in config.name.split("_n128")[1] for config in fg._configs())
     for kwargs, match in ((dict(shape_k=2048), r"K is compiled into the M-grouped fp8 GEMMs only"),
                           (dict(dtype="fp8", shape_k=896), r"shape_k=896: its 7 k-blocks are a multiple of none"),
+                          (dict(dtype="fp8", shape_k=768), r"shape_k=768: its 6 k-blocks are a multiple of none"),
                           (dict(dtype="fp8", shape_k=-128), r"shape_k=-128, expected a non-negative int"),
                           (dict(dtype="fp8", shape_k=True), r"shape_k=True, expected a non-negative int")):
         with pytest.raises(ValueError, match=match):
@@ -730,9 +731,10 @@ def _static_and_argument(ops, starts, ends, out_shape, scatter=None, **kwargs):
     return outs
 
 
-# 16, 6, 12, 5 and 3 k-blocks (rings of 4, 3, 4, 5, 3), a ragged last k-block (1200), 7 k-blocks (no
-# ring divides them: the K-argument kernel runs).
-_STATIC_K = [2048, 768, 1536, 640, 384, 1200, 896]
+# 16, 12, 5 and 4 k-blocks (rings of 4, 4, 5, 4), a ragged last k-block (1200: 10, ring 5, or the
+# K-argument kernel where that one spills), 6 and 7 k-blocks (no ring divides them: the K-argument
+# kernel runs).
+_STATIC_K = [2048, 1536, 640, 512, 1200, 768, 896]
 
 
 @requires_hopper
@@ -764,7 +766,7 @@ def test_static_k_many_tiles_per_cta_at_qwen3_30b(exact_fp32_matmul):
     seed = 4242
     g = torch.Generator().manual_seed(seed)
     starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
-    for k, n in ((2048, 1536), (768, 2048)):
+    for k, n in ((2048, 1536), (1536, 2048)):
         ops = _int_operands(rows, k, 128, n, pad, g, exact=True)
         argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="overlap")
         _assert_same_bits(static, argument, f"seed={seed} k={k}")

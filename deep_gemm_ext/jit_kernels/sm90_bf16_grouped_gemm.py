@@ -157,8 +157,10 @@ FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::Main
 #: 227 KiB). The K-grouped one loads its scales from global memory and keeps 6.
 _FP8_STAGES = 5
 #: Ring depths of the fp8 GEMMs with K compiled in (GemmConfig.shape_k), most preferred first: the
-#: k-block count must be a multiple of the depth (every tile then starts at stage 0).
-FP8_STATIC_K_STAGES = (5, 4, 3)
+#: k-block count must be a multiple of the depth (every tile then starts at stage 0). Not 3: the
+#: 3-deep ring of K = 768 (6 k-blocks) measured 0.97x of the 5-deep K-argument kernel, where 4 deep
+#: gave 1.01-1.10x (docs/perf-notes.md v25).
+FP8_STATIC_K_STAGES = (5, 4)
 
 
 def fp8_static_k_stages(shape_k: int) -> int | None:
