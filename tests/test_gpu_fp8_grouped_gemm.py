@@ -32,6 +32,7 @@ epilogues (slot order, weighted) against the plain store.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -731,10 +732,9 @@ def _static_and_argument(ops, starts, ends, out_shape, scatter=None, **kwargs):
     return outs
 
 
-# 16, 12, 5 and 4 k-blocks (rings of 4, 4, 5, 4), a ragged last k-block (1200: 10, ring 5, or the
-# K-argument kernel where that one spills), 6 and 7 k-blocks (no ring divides them: the K-argument
-# kernel runs).
-_STATIC_K = [2048, 1536, 640, 512, 1200, 768, 896]
+# 16, 12 and 5 k-blocks (rings of 4, 4, 5), a ragged last k-block (1200: 10, ring 5, or the K-argument
+# kernel where that one spills), 6 and 7 k-blocks (no ring divides them: the K-argument kernel runs).
+_STATIC_K = [2048, 1536, 640, 1200, 768, 896]
 
 
 @requires_hopper
@@ -748,6 +748,11 @@ def test_static_k_is_bit_identical(k, cluster_n, mainloop, exact_fp32_matmul):
     n = 384
     ops = _gaussian_operands(rows, k, 12, n, pad, g)
     where = f"seed={seed} k={k} cluster_n={cluster_n} {mainloop}"
+    # Which kernel static_k runs: K compiled in where a ring divides the k-blocks and it does not spill.
+    chosen = fg._static_k_config(gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop=mainloop, cluster_n=cluster_n), k)
+    spills = any(u.spill_bytes for u in dataclasses.replace(chosen, shape_k=k).kernel().resources()) \
+        if gg.fp8_static_k_stages(k) else True
+    assert chosen.shape_k == (0 if spills else k), where
     argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop=mainloop, cluster_n=cluster_n)
     _assert_same_bits(static, argument, where)
     _check(static, *ops, starts, ends, mode="realistic", what=where)
