@@ -143,8 +143,8 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         __syncthreads();
     // Inputs may come from the previous kernel of the stream (programmatic dependent launch).
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    // K compiled in: the argument is the same value (the launcher checks), the constant lets the
-    // scheduler and the mainloop know the trip count.
+    // K compiled in: the argument has the same value (the launcher builds the configuration from it);
+    // the constant lets the scheduler and the mainloop know the trip count.
     if constexpr (Traits::kShapeK != 0)
         shape_k = Traits::kShapeK;
 
@@ -168,8 +168,6 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             while (scheduler.next(tile)) {
                 const Columns cols(tile.n_block, shape_n);
                 loader.begin_tile(tile);
-                // Not unrolled where K is compiled in: the producer has 40 registers and no use for it.
-#pragma unroll 1
                 for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance())
                     loader.load(pipe, st, tile, cols, kb);
             }
