@@ -670,10 +670,11 @@ def test_overlap_mainloop_deterministic(exact_fp32_matmul):
 
 
 def test_static_k_configs():
-    assert gg.FP8_STATIC_K_STAGES == (5, 4)
-    # The deepest ring (of 5, 4) that divides ceil(K / 128); None: no kernel with K compiled in.
+    assert gg.FP8_STATIC_K_STAGES == (5, 4) and gg.FP8_STATIC_K_MAX_BLOCKS == 16
+    # The deepest ring (of 5, 4) that divides ceil(K / 128), up to 16 k-blocks; None: no kernel with K
+    # compiled in.
     assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 512, 16)] == \
-        [4, None, 4, 4, 4, 5, 5, None, None, 4, None]
+        [4, None, 4, None, None, 5, 5, None, None, 4, None]
     c = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter", shape_k=2048)
     assert c.stages == 4 and c.name == "sm90_fp8_grouped_gemm_nt_n128_s4_scatter_overlap_c2_k2048"
     runtime = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter")
@@ -686,6 +687,7 @@ def test_static_k_configs():
     for kwargs, match in ((dict(shape_k=2048), r"K is compiled into the M-grouped fp8 GEMMs only"),
                           (dict(dtype="fp8", shape_k=896), r"shape_k=896: its 7 k-blocks are a multiple of none"),
                           (dict(dtype="fp8", shape_k=768), r"shape_k=768: its 6 k-blocks are a multiple of none"),
+                          (dict(dtype="fp8", shape_k=4096), r"shape_k=4096: its 32 k-blocks .* or more than 16"),
                           (dict(dtype="fp8", shape_k=-128), r"shape_k=-128, expected a non-negative int"),
                           (dict(dtype="fp8", shape_k=True), r"shape_k=True, expected a non-negative int")):
         with pytest.raises(ValueError, match=match):

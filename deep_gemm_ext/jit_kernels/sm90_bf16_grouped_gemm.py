@@ -161,13 +161,18 @@ _FP8_STAGES = 5
 #: 3-deep ring of K = 768 (6 k-blocks) measured 0.97x of the 5-deep K-argument kernel, where 4 deep
 #: gave 1.01-1.10x (docs/perf-notes.md v25).
 FP8_STATIC_K_STAGES = (5, 4)
+#: At most this many k-blocks with K compiled in: the unrolled tile grows with K (~1800 instructions at
+#: 16 k-blocks, ~6500 at 56), and K up to 2048 is what was measured (docs/perf-notes.md v25).
+FP8_STATIC_K_MAX_BLOCKS = 16
 
 
 def fp8_static_k_stages(shape_k: int) -> int | None:
     """The ring depth of the fp8 M-grouped GEMM with K = shape_k compiled in, or None where no depth of
-    FP8_STATIC_K_STAGES divides its ceil(K / 128) k-blocks."""
+    FP8_STATIC_K_STAGES divides its ceil(K / 128) k-blocks or they are more than FP8_STATIC_K_MAX_BLOCKS."""
     k_blocks = -(-shape_k // 128)
-    return next((s for s in FP8_STATIC_K_STAGES if k_blocks % s == 0), None) if k_blocks > 0 else None
+    if not 0 < k_blocks <= FP8_STATIC_K_MAX_BLOCKS:
+        return None
+    return next((s for s in FP8_STATIC_K_STAGES if k_blocks % s == 0), None)
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
 #: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
 #: cooperative schedule, unpaired tiles, and the store or combine epilogues.
@@ -284,7 +289,8 @@ class GemmConfig:
                                  f"layout={self.layout!r}: K is compiled into the M-grouped fp8 GEMMs only")
             if fp8_static_k_stages(self.shape_k) is None:
                 raise ValueError(f"GemmConfig: shape_k={self.shape_k}: its {-(-self.shape_k // 128)} k-blocks are a "
-                                 f"multiple of none of the ring depths {FP8_STATIC_K_STAGES}")
+                                 f"multiple of none of the ring depths {FP8_STATIC_K_STAGES}, or more than "
+                                 f"{FP8_STATIC_K_MAX_BLOCKS}")
 
     @property
     def stages(self) -> int:
