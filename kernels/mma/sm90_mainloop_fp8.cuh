@@ -436,9 +436,6 @@ private:
         }
         sb = ptx::ld_shared_f32(scales.block_b + offset);
     }
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void read_scales(float (&)[kSlices][2], float (&)[kNumScalesB],
-                                                       const StagedScales&, uint32_t) {}
 
     // K-grouped: where each thread's row scales (its two rows of every 64-row slice) and its columns'
     // scales (ColumnScales) start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w,
