@@ -6,6 +6,7 @@
     python scripts/gemm_bench.py --clusters [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --epilogue [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --upstream [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --fp8-tiles [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up (each of --calls back-to-back calls, so that
@@ -53,6 +54,12 @@ Upstream's K-grouped GEMMs accumulate into an fp32 result (C = D, as the provide
 or the fp8 data times its scales), "check" whether all of them are below _UPSTREAM_MAX_REL_ERR, "bits" whether
 the two M-grouped outputs are equal bit for bit (not required: different kernels). Without deep_gemm (or
 without an SM90 GPU) it prints "not measured: <reason>" and exits 0.
+
+--fp8-tiles: per M-grouped fp8 GEMM of each workload, TFLOP/s of the 128 x 128 tile (overlap mainloop,
+the layer's today; clusters of 1 and 2) against the 128 x 192 tile (serial mainloop; clusters of 1 and 2),
+all with K compiled in (``static_k``: where no ring divides the k-blocks, the K-argument kernel);
+"bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
+experts own.
 """
 from __future__ import annotations
 
@@ -193,9 +200,10 @@ def _schedule_table(args) -> int:
     return 0
 
 
-def _fp8_cases(w):
+def _fp8_cases(w, tiles: bool = False):
     """(name, dense (M, N, K), bf16 GEMM, fp8 GEMM with the serial mainloop, with the overlap mainloop, with
-    the overlap mainloop and K compiled in (``static_k``, the layer's)) per M-grouped GEMM of the layer, on the same random operands (fp8: quantized once here, 1x128
+    the overlap mainloop and K compiled in (``static_k``, the layer's)) per M-grouped GEMM of the layer, on the
+    same random operands (fp8: quantized once here, 1x128
     activations and 128x128 weight blocks), and a function giving the mask of the pool rows the
     experts own."""
     torch.manual_seed(0)
@@ -213,11 +221,15 @@ def _fp8_cases(w):
     w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
     q = {name: fp8_recipe.quantize_rows(t) for name, t in (("x", x), ("act", act), ("dy", dy), ("dh", dh))}
 
-    def fp8(a, weights, mainloop, static_k=False):
+    def fp8(a, weights, mainloop, static_k=False, block_n=128, cluster_n=1):
         return lambda: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *weights, starts, ends, mainloop=mainloop,
-                                                           static_k=static_k)
+                                                           static_k=static_k, block_n=block_n, cluster_n=cluster_n)
 
     def both(a, weights):
+        if tiles:  # (serial 128, then with K compiled in: overlap 128, overlap 128 c2, serial 192, serial 192 c2)
+            return (fp8(a, weights, "serial"), fp8(a, weights, "overlap", True),
+                    fp8(a, weights, "overlap", True, 128, 2), fp8(a, weights, "serial", True, 192),
+                    fp8(a, weights, "serial", True, 192, 2))
         return fp8(a, weights, "serial"), fp8(a, weights, "overlap"), fp8(a, weights, "overlap", True)
 
     def owned_rows():
@@ -339,6 +351,39 @@ def _fp8_table(args) -> int:
         with open(args.json, "w") as f:
             json.dump(results + wgrad, f, indent=2)  # weight-gradient rows carry "kind": "k_grouped"
     return 0 if all(r["fp8_overlap_bit_identical"] for r in results) else 1
+
+
+def _fp8_tiles_table(args) -> int:
+    results = []
+    for workload in args.workload or ("qwen3-30b-a3b-t16384",):
+        w = WORKLOADS[workload]
+        cases, owned_rows = _fp8_cases(w, tiles=True)
+        for name, (m, n, k), _, serial, overlap, overlap_c2, wide, wide_c2 in cases:
+            flops = 2.0 * m * n * k
+            own = owned_rows()
+            ref = serial()[own].view(torch.int16)
+            same = all(torch.equal(f()[own].view(torch.int16), ref) for f in (overlap, overlap_c2, wide, wide_c2))
+            times = [median_ms(f, args.reps, calls=args.calls) for f in (overlap, overlap_c2, wide, wide_c2)]
+            results.append({"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "kind": "fp8_tiles",
+                            **{f"{key}_tflops": flops / t / 1e9 for key, t in
+                               zip(("n128_overlap", "n128_overlap_c2", "n192", "n192_c2"), times)},
+                            "bit_identical": same})
+        torch.cuda.empty_cache()
+    print(f"TFLOP/s on {torch.cuda.get_device_name()}: our blockwise-fp8 M-grouped GEMM, 128 x 128 tiles (overlap "
+          "mainloop) against 128 x 192 tiles (serial mainloop), clusters of 1 and 2, K compiled in (static_k)")
+    print(f"{'workload':<22} | {'gemm':<10} | {'M x N x K':>20} | {'n128':>6} | {'n128 c2':>7} | {'n192':>6} | "
+          f"{'n192 c2':>7} | best192/best128 | bits")
+    for r in results:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        best128 = max(r["n128_overlap_tflops"], r["n128_overlap_c2_tflops"])
+        best192 = max(r["n192_tflops"], r["n192_c2_tflops"])
+        print(f"{r['workload']:<22} | {r['gemm']:<10} | {shape:>20} | {r['n128_overlap_tflops']:6.1f} | "
+              f"{r['n128_overlap_c2_tflops']:7.1f} | {r['n192_tflops']:6.1f} | {r['n192_c2_tflops']:7.1f} | "
+              f"{best192 / best128:14.2f}x | {'same' if r['bit_identical'] else 'DIFFER'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0 if all(r["bit_identical"] for r in results) else 1
 
 
 def _layer_operands(w):
@@ -724,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream", action="store_true",
                         help="ours vs upstream DeepGEMM's SM90 bf16 and fp8 GEMMs (when deep_gemm imports) TFLOP/s per "
                              "GEMM of the layer, with each side's error against fp64")
+    parser.add_argument("--fp8-tiles", action="store_true",
+                        help="128 x 128 vs 128 x 192 fp8 tiles (clusters of 1 and 2) TFLOP/s per M-grouped GEMM")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5,
                         help="back-to-back calls per timed repeat (testing.median_ms): from the second on, a "
@@ -731,15 +778,18 @@ def main(argv: list[str] | None = None) -> int:
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
-    if args.schedules + args.fp8 + args.clusters + args.epilogue + args.upstream > 1:
-        parser.error("--schedules, --fp8, --clusters, --epilogue and --upstream: one table at a time")
-    one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue or args.upstream)
+    if args.schedules + args.fp8 + args.clusters + args.epilogue + args.upstream + args.fp8_tiles > 1:
+        parser.error("--schedules, --fp8, --clusters, --epilogue, --upstream and --fp8-tiles: one table at a time")
+    one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue or args.upstream or args.fp8_tiles)
     if one_table and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules, --fp8, --clusters, --epilogue or --upstream")
+        parser.error("--workload: one workload without --schedules, --fp8, --clusters, --epilogue, --upstream or "
+                     "--fp8-tiles")
     if args.upstream:
         return _upstream_table(args)
     if args.fp8:
         return _fp8_table(args)
+    if args.fp8_tiles:
+        return _fp8_tiles_table(args)
     if args.clusters:
         return _cluster_table(args)
     if args.epilogue:

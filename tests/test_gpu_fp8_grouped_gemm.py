@@ -72,7 +72,14 @@ def test_fp8_configs_are_registered():
                                                 "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted_c2",
                                                 "sm90_fp8_grouped_gemm_nt_n128_s5_overlap_c2",
                                                 "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_overlap_c2",
-                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted_overlap_c2"]
+                                                "sm90_fp8_grouped_gemm_nt_n128_s5_scatter_weighted_overlap_c2",
+                                                # 128 x 192 tiles, serial mainloop, clusters of 1 and 2
+                                                "sm90_fp8_grouped_gemm_nt_n192_s4",
+                                                "sm90_fp8_grouped_gemm_nt_n192_s4_scatter",
+                                                "sm90_fp8_grouped_gemm_nt_n192_s4_scatter_weighted",
+                                                "sm90_fp8_grouped_gemm_nt_n192_s4_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n192_s4_scatter_c2",
+                                                "sm90_fp8_grouped_gemm_nt_n192_s4_scatter_weighted_c2"]
     for name, code, is_gemm in fg.configs():
         assert is_gemm and code.count("sm90_grouped_gemm_kernel<") == 1, name
         assert "mma/sm90_mainloop_fp8.cuh" in code and "dge::gemm::ElementType::E4M3" in code, name
@@ -119,12 +126,18 @@ def test_bf16_sources_do_not_mention_the_element_type():
     assert len(gg.configs()) == 56 + 5 + 5 + 7
 
 
-@pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(block_n=256), dict(schedule="pingpong"),
-                                    dict(gather_a="cp_async"), dict(epilogue="swiglu_fwd")])
+@pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(schedule="pingpong"), dict(gather_a="cp_async"),
+                                    dict(epilogue="swiglu_fwd"), dict(block_n=192, fp8_mainloop="overlap")])
 def test_fp8_config_rejects_what_the_mainloop_does_not_take(kwargs):
     base = dict(layout="nt", block_n=128, dtype="fp8")
     with pytest.raises(ValueError, match="dtype='fp8' takes"):
         gg.GemmConfig(**{**base, **kwargs})
+    for block_n in (64, 256):
+        with pytest.raises(ValueError, match=rf"block_n={block_n} with schedule='cooperative', expected one of "
+                                             rf"\(128, 192\)"):
+            gg.GemmConfig("nt", block_n, dtype="fp8")
+    with pytest.raises(ValueError, match=r"block_n=192 with schedule='cooperative', expected one of \(256, 128\)"):
+        gg.GemmConfig("k_nt", 192, dtype="fp8")
     with pytest.raises(ValueError, match="dtype='fp16'"):
         gg.GemmConfig("nt", 128, dtype="fp16")
 
@@ -174,6 +187,13 @@ def test_argument_checks():
     for bad in ("fast", "Overlap", None, 1):
         with pytest.raises(ValueError, match=rf"mainloop={bad!r}: expected one of \('serial', 'overlap'\)"):
             f(a_q, sa, b_q, sb, starts, ends, mainloop=bad)
+    for bad in (256, 64, True, "192"):
+        with pytest.raises(ValueError, match=rf"block_n={bad!r}: expected one of \(128, 192\)"):
+            f(a_q, sa, b_q, sb, starts, ends, block_n=bad)
+    with pytest.raises(ValueError, match="block_n=192 with mainloop='overlap': the 192-wide tile runs the serial"):
+        f(a_q, sa, b_q, sb, starts, ends, block_n=192, mainloop="overlap")
+    with pytest.raises(ValueError, match="a_q: on cpu, expected a CUDA tensor"):
+        f(a_q, sa, b_q, sb, starts, ends, block_n=192)
 
 
 def _build(config):
@@ -230,6 +250,34 @@ def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, mainloop):
 
 
 @requires_compiler
+@requires_compiler
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("epilogue", ["store", "scatter", "scatter_weighted"])
+def test_fp8_n192_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, cluster_n):
+    """128 x 192 tiles: m64n192k32 wgmmas, 96 + 96 accumulators without spills, one wait per k-block
+    (serial), 4 smem stages of 40 KiB, the wgmmas not serialized."""
+    config = gg.GemmConfig("nt", 192, dtype="fp8", epilogue=epilogue, cluster_n=cluster_n)
+    assert config.stages == 4 and config.name.startswith("sm90_fp8_grouped_gemm_nt_n192_s4")
+    kernel = _build(config)
+    usage = kernel.resources()
+    assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
+    assert config.smem_bytes() <= 232448
+    entry = jit.compile_cached(config.name, config.code(), want_ptx=True)
+    ptx = entry.ptx_path.read_text()
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
+    assert shapes and set(shapes) == {("m64n192k32", "e4m3", "e4m3")}, shapes
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == {"0"}, config.name
+    log = (entry.path / "ptxas.log").read_text()
+    assert "wgmma.mma_async instructions are serialized" not in log and "warpgroup.wait is injected" not in log, \
+        f"{config.name}: {log[-2000:]}"
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: PTX checked, SASS not")
+    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+    assert "QGMMA.64x192x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass, config.name
+    assert "STL" not in sass and "LDL" not in sass, config.name
+
+
 def test_e4m3_wgmma_shapes_assemble(tmp_path):
     # Both defined e4m3 shapes assemble (ptxas rejects a wrong accumulator count or operand list).
     if shutil.which("nvcc") is None:
@@ -546,22 +594,50 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _assert_same_bits(got, want, where: str) -> None:
+def _assert_same_bits(got, want, where: str, between: str = "mainloop='overlap' and 'serial'") -> None:
     differ = (_bits(got) != _bits(want)).nonzero()
-    assert differ.numel() == 0, (f"{where}: {differ.shape[0]} elements differ between mainloop='overlap' and "
-                                 f"'serial', first at {differ[0].tolist()}: {got[tuple(differ[0])].item()} vs "
+    assert differ.numel() == 0, (f"{where}: {differ.shape[0]} elements differ between {between}, first at "
+                                 f"{differ[0].tolist()}: {got[tuple(differ[0])].item()} vs "
                                  f"{want[tuple(differ[0])].item()}")
+
+
+def _variants(ops, starts, ends, out_shape, variants, scatter=None):
+    """The GEMM under each keyword set of ``variants`` into NaN-poisoned outputs."""
+    outs = []
+    for kwargs in variants:
+        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, **kwargs) is out
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
 
 
 def _both(ops, starts, ends, out_shape, scatter=None):
     """The serial and the overlap GEMM into NaN-poisoned outputs."""
-    outs = []
-    for mainloop in ("serial", "overlap"):
-        out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-        assert m_grouped_fp8_gemm_nt_contiguous(*ops, starts, ends, out, scatter=scatter, mainloop=mainloop) is out
-        outs.append(out)
-    torch.cuda.synchronize()
-    return outs
+    return _variants(ops, starts, ends, out_shape, [dict(mainloop="serial"), dict(mainloop="overlap")], scatter)
+
+
+def _scatter_case(n, k, routing, seed):
+    """500 tokens, 8 experts, top-4 of ``routing``, Gaussian operands, random fp32 slot weights and the
+    mask of the slots no row feeds."""
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, top_k, e = 500, 4, 8
+    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
+    ops = _gaussian_operands(rows, k, e, n, pad, g)
+    num_slots = num_tokens * top_k
+    weights = torch.rand(num_tokens, top_k, generator=g).cuda()
+    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    unused[meta.row_to_slot[meta.row_to_slot >= 0].long()] = False
+    return starts, ends, rows, ops, meta, num_slots, weights, unused
+
+
+def _routed_operands(n, k, routing, data, seed):
+    """A 600-token, 12-expert top-4 pool of ``routing`` with Gaussian or integer operands."""
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
+    ops = (_gaussian_operands(rows, k, 12, n, pad, g) if data == "gaussian"
+           else _int_operands(rows, k, 12, n, pad, g, exact=False))
+    return starts, ends, rows, ops
 
 
 # K = 16 .. 2048: 1 to 16 k-blocks, odd and even counts (the overlap schedule's two tails), ragged
@@ -580,10 +656,7 @@ def test_overlap_mainloop_is_bit_identical_to_serial(n, k, routing, data, exact_
     # roundings.
     seed = 3000 + 1000 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 7 \
         + len(data)
-    g = torch.Generator().manual_seed(seed)
-    starts, ends, rows, pad, _ = _routed(600, 12, 4, routing, g)
-    ops = (_gaussian_operands(rows, k, 12, n, pad, g) if data == "gaussian"
-           else _int_operands(rows, k, 12, n, pad, g, exact=False))
+    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
     serial, overlap = _both(ops, starts, ends, (rows, n))
     where = f"seed={seed} n={n} k={k} {routing} {data}"
     _assert_same_bits(overlap, serial, where)
@@ -638,15 +711,8 @@ def test_overlap_mainloop_scatter_epilogues(routing, k, exact_fp32_matmul):
     # Both scatter epilogues (unweighted, weighted with random fp32 weights) bit-identical under the
     # two mainloops; unused slots stay NaN.
     seed = 71 + len(routing) + k
-    g = torch.Generator().manual_seed(seed)
-    num_tokens, top_k, e, n = 500, 4, 8, 384
-    starts, ends, rows, pad, meta = _routed(num_tokens, e, top_k, routing, g)
-    ops = _gaussian_operands(rows, k, e, n, pad, g)
-    num_slots = num_tokens * top_k
-    weights = torch.rand(num_tokens, top_k, generator=g).cuda()
-    real = meta.row_to_slot >= 0
-    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
-    unused[meta.row_to_slot[real].long()] = False
+    n = 384
+    starts, ends, rows, ops, meta, num_slots, weights, unused = _scatter_case(n, k, routing, seed)
     for w in (None, weights):
         scatter = gg.Scatter(meta.row_to_slot, num_slots, w)
         serial, overlap = _both(ops, starts, ends, (num_slots, n), scatter=scatter)
@@ -675,6 +741,14 @@ def test_static_k_configs():
     # compiled in.
     assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 512, 16)] == \
         [4, None, 4, None, None, 5, 5, None, None, 4, None]
+    # The 192-wide tile fits 4 stages only.
+    assert [gg.fp8_static_k_stages(k, 192) for k in (2048, 768, 1536, 640, 1280, 512, 4096)] == \
+        [4, None, 4, None, None, 4, None]
+    wide = gg.GemmConfig("nt", 192, dtype="fp8", cluster_n=2, shape_k=1536)
+    assert wide.stages == 4 and wide.name == "sm90_fp8_grouped_gemm_nt_n192_s4_c2_k1536"
+    with pytest.raises(ValueError, match=r"shape_k=640: its 5 k-blocks are a multiple of none of the ring depths "
+                                         r"\(4,\) of block_n=192"):
+        gg.GemmConfig("nt", 192, dtype="fp8", shape_k=640)
     c = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter", shape_k=2048)
     assert c.stages == 4 and c.name == "sm90_fp8_grouped_gemm_nt_n128_s4_scatter_overlap_c2_k2048"
     runtime = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter")
@@ -683,7 +757,7 @@ def test_static_k_configs():
         "ElementType::E4M3>;", "ElementType::E4M3, 2048>;")
     assert c.args == runtime.args
     # The K-argument kernels stay the registered (prebuilt) ones; K-compiled ones are built on first use.
-    assert all("_k" not in config.name.split("_n128")[1] for config in fg._configs())
+    assert all(config.shape_k == 0 and re.search(r"_k\d+$", config.name) is None for config in fg._configs())
     for kwargs, match in ((dict(shape_k=2048), r"K is compiled into the M-grouped fp8 GEMMs only"),
                           (dict(dtype="fp8", shape_k=896), r"shape_k=896: its 7 k-blocks are a multiple of none"),
                           (dict(dtype="fp8", shape_k=768), r"shape_k=768: its 6 k-blocks are a multiple of none"),
@@ -778,3 +852,154 @@ def test_static_k_many_tiles_per_cta_at_qwen3_30b(exact_fp32_matmul):
         argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="overlap")
         _assert_same_bits(static, argument, f"seed={seed} k={k}")
         _check(static, *ops, starts, ends, mode="exact", what=f"seed={seed} k={k} static")
+
+
+# -- 128 x 192 tiles against 128 x 128 ---------------------------------------------------------------------
+
+
+def _tiles(ops, starts, ends, out_shape, scatter=None, cluster_n=1):
+    """The 128-wide and the 192-wide GEMM (serial mainloop) into NaN-poisoned outputs."""
+    return _variants(ops, starts, ends, out_shape, [dict(block_n=b, cluster_n=cluster_n) for b in (128, 192)],
+                     scatter)
+
+
+def _assert_tile_bits(wide, narrow, where: str) -> None:
+    _assert_same_bits(wide, narrow, where, between="block_n=192 and 128")
+
+
+# N: tiles starting on a weight-scale block (n0 % 128 == 0) and half-way into one (64), a last tile past N
+# (2048 = 10 tiles + 128 columns, 1000, 200, 64), one tile; K from one k-block to sixteen, ragged.
+_N192_SHAPES = _QWEN3_30B + [(768, 2048), (1000, 1008), (200, 272), (64, 16), (192, 256), (384, 640)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("data", ["gaussian", "int"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("n,k", _N192_SHAPES)
+def test_n192_tiles_match_n128(n, k, routing, data, exact_fp32_matmul):
+    # Each output element's k-block partial sums come from one wgmma column either way and are promoted
+    # with the same products (sa[row] * sb[block]) in the same k order, so the bits are expected equal;
+    # on their own, the 192-wide outputs against the emulation too.
+    seed = 5000 + 997 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 11 \
+        + len(data)
+    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
+    narrow, wide = _tiles(ops, starts, ends, (rows, n))
+    where = f"seed={seed} n={n} k={k} {routing} {data}"
+    _check(wide, *ops, starts, ends, mode="realistic" if data == "gaussian" else "fp32", what=where + " n192")
+    _assert_tile_bits(wide, narrow, where)
+
+
+@requires_hopper
+def test_n192_tiles_exact_at_qwen3_30b_with_128_experts(exact_fp32_matmul):
+    seed = 98
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
+    for n, k in ((1536, 2048), (2048, 768), (768, 2048)):
+        ops = _int_operands(rows, k, 128, n, pad, g, exact=True)
+        narrow, wide = _tiles(ops, starts, ends, (rows, n))
+        _check(wide, *ops, starts, ends, mode="exact", what=f"seed={seed} E=128 n={n} k={k} n192")
+        _assert_tile_bits(wide, narrow, f"seed={seed} E=128 n={n} k={k}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
+@pytest.mark.parametrize("n", [384, 2048, 200])
+def test_n192_tiles_scatter_epilogues_and_clusters(routing, n, cluster_n, exact_fp32_matmul):
+    # Both scatter epilogues, clusters of 1 and 2 (B multicast with three 64-row atoms: CTA r loads the
+    # atoms j with j % 2 == r): the same bits as the 128-wide tile; unused slots stay NaN.
+    seed = 91 + len(routing) + n + cluster_n
+    starts, ends, rows, ops, meta, num_slots, weights, unused = _scatter_case(n, 768, routing, seed)
+    for w in (None, weights):
+        scatter = gg.Scatter(meta.row_to_slot, num_slots, w)
+        narrow, wide = _tiles(ops, starts, ends, (num_slots, n), scatter=scatter, cluster_n=cluster_n)
+        where = f"seed={seed} {routing} n={n} weighted={w is not None} cluster_n={cluster_n}"
+        _assert_tile_bits(wide, narrow, where)
+        assert torch.isnan(wide[unused].float()).all(), f"{where}: unused slots were written"
+        assert not torch.isnan(wide[~unused].float()).any(), f"{where}: used slots left unwritten"
+    # The plain store in clusters too, against the emulation.
+    narrow, wide = _tiles(ops, starts, ends, (rows, n), cluster_n=cluster_n)
+    _assert_tile_bits(wide, narrow, f"seed={seed} {routing} n={n} store cluster_n={cluster_n}")
+    _check(wide, *ops, starts, ends, mode="realistic", what=f"seed={seed} {routing} n={n} cluster_n={cluster_n}")
+
+
+@requires_hopper
+def test_n192_tiles_with_gaps_and_without_rows(exact_fp32_matmul):
+    seed = 77
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0, 256, 256, 640, 768], dtype=torch.int32, device="cuda")
+    ends = torch.tensor([128, 256, 512, 768, 768], dtype=torch.int32, device="cuda")
+    rows, n = 1024, 448
+    ops = _gaussian_operands(rows, 640, 5, n, torch.zeros(rows, dtype=torch.bool, device="cuda"), g)
+    narrow, wide = _tiles(ops, starts, ends, (rows, n))
+    _assert_tile_bits(wide, narrow, f"seed={seed} gaps")
+    _check(wide, *ops, starts, ends, mode="realistic", what=f"seed={seed} gaps n192")
+    z = torch.zeros(4, dtype=torch.int32, device="cuda")
+    a_q, sa, b_q, sb = _int_operands(512, 256, 4, 256, torch.zeros(512, dtype=torch.bool, device="cuda"), g,
+                                     exact=True)
+    narrow, wide = _tiles((a_q, sa, b_q, sb), z, z, (512, 256))
+    assert torch.isnan(wide.float()).all() and torch.isnan(narrow.float()).all()
+
+
+# -- 128 x 192 tiles with K compiled in ---------------------------------------------------------------------
+
+
+@requires_compiler
+def test_n192_static_k_kernel_unrolls_both_splits():
+    # K = 2048: the tile's k-loop unrolled once for each place where the tile crosses into its second
+    # weight block (after 128 or 64 columns): 2 x 16 k-blocks x 4 QGMMA m64n192k32; no spills.
+    config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=2048)
+    kernel = _build(config)
+    assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: compile checked, SASS not")
+    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+    assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == 2 * 16 * 4, config.name
+
+
+@requires_hopper
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("k", [2048, 1536, 512, 768])
+def test_n192_static_k_is_bit_identical(k, cluster_n, exact_fp32_matmul):
+    # 16, 12 and 4 k-blocks (ring of 4), 6 (no ring divides them: the K-argument kernel runs). N = 448:
+    # tiles starting on a weight block and half-way into one, the last one past N.
+    seed = 6100 + k + cluster_n
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, meta = _routed(700, 12, 4, "zipf", g)
+    n = 448
+    ops = _gaussian_operands(rows, k, 12, n, pad, g)
+    where = f"seed={seed} k={k} cluster_n={cluster_n} n192"
+    # K compiled in where the ring of 4 divides the k-blocks and the kernel does not spill (else the
+    # K-argument kernel runs).
+    chosen = fg._static_k_config(gg.GemmConfig("nt", 192, dtype="fp8", cluster_n=cluster_n), k)
+    spills = any(u.spill_bytes for u in gg.GemmConfig("nt", 192, dtype="fp8", cluster_n=cluster_n, shape_k=k)
+                 .kernel().resources()) if gg.fp8_static_k_stages(k, 192) else True
+    assert chosen.shape_k == (0 if spills else k), where
+    argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="serial", cluster_n=cluster_n,
+                                            block_n=192)
+    _assert_same_bits(static, argument, where)
+    narrow, _ = _tiles(ops, starts, ends, (rows, n))
+    _assert_tile_bits(static, narrow, where)
+    _check(static, *ops, starts, ends, mode="realistic", what=where)
+    num_slots = 700 * 4
+    scatter = gg.Scatter(meta.row_to_slot, num_slots, torch.rand(700, 4, generator=g).cuda())
+    argument, static = _static_and_argument(ops, starts, ends, (num_slots, n), scatter=scatter, mainloop="serial",
+                                            cluster_n=cluster_n, block_n=192)
+    _assert_same_bits(static, argument, where + " scatter")
+    used = meta.slot_to_row >= 0
+    assert not torch.isnan(static[used].float()).any(), f"{where}: used slots left unwritten"
+    assert torch.isnan(static[~used].float()).all(), f"{where}: unused slots were written"
+
+
+@requires_hopper
+def test_n192_static_k_many_tiles_per_cta_at_qwen3_30b(exact_fp32_matmul):
+    # 128 experts, 2048 tokens x top-8, the layer's K: each CTA's ring wraps many times.
+    seed = 4343
+    g = torch.Generator().manual_seed(seed)
+    starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
+    for k, n in ((2048, 1536), (1536, 2048), (2048, 768)):
+        ops = _int_operands(rows, k, 128, n, pad, g, exact=True)
+        argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="serial", block_n=192)
+        _assert_same_bits(static, argument, f"seed={seed} k={k} n={n} n192")
+        _check(static, *ops, starts, ends, mode="exact", what=f"seed={seed} k={k} n={n} n192 static")

@@ -147,32 +147,38 @@ MAINLOOPS = {
 #: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, 128-wide cooperative tiles,
 #: the plain TMA loader.
 _FP8_BLOCK_N = 128
+#: N tiles of the M-grouped fp8 GEMM: 128, or 192 (serial mainloop only: 96 + 96 accumulator registers,
+#: a tile straddling two 128-column weight-scale blocks).
+FP8_BLOCK_NS = (128, 192)
 _FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: Schedules of the fp8 mainloop (MainloopFP8's kOverlapPromotion), each with its C++ policy: "serial"
 #: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
 #: sets, issuing k-block kb + 1 before promoting kb. Same bits under both.
 FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::MainloopFP8Overlap"}
-#: Stages of the fp8 M-grouped GEMMs: each stage also holds its 528 bytes of scales
-#: (MainloopFP8::kStageScaleBytes), so 5 x 32 KiB (6 with them and the epilogue's 32 KiB exceed
-#: 227 KiB). The K-grouped one loads its scales from global memory and keeps 6.
-_FP8_STAGES = 5
+#: Stages of the fp8 M-grouped GEMMs per N tile: each stage also holds its 528 bytes of scales
+#: (MainloopFP8::kStageScaleBytes), so the 128-wide tile takes 5 x 32 KiB (6 with them and the
+#: epilogue's 32 KiB exceed 227 KiB), the 192-wide one 4 x 40 KiB. The K-grouped one loads its scales
+#: from global memory and keeps 6.
+_FP8_STAGES = {128: 5, 192: 4}
 #: Ring depths of the fp8 GEMMs with K compiled in (GemmConfig.shape_k), most preferred first: the
 #: k-block count must be a multiple of the depth (every tile then starts at stage 0). Not 3: the
 #: 3-deep ring of K = 768 (6 k-blocks) measured 0.97x of the 5-deep K-argument kernel, where 4 deep
-#: gave 1.01-1.10x (docs/perf-notes.md v25).
+#: gave 1.01-1.10x (docs/perf-notes.md v25). The 192-wide tile fits 4 stages only.
 FP8_STATIC_K_STAGES = (5, 4)
+_FP8_STATIC_K_STAGES = {128: FP8_STATIC_K_STAGES, 192: (4,)}
 #: At most this many k-blocks with K compiled in: the unrolled tile grows with K (~1800 instructions at
 #: 16 k-blocks, ~6500 at 56), and K up to 2048 is what was measured (docs/perf-notes.md v25).
 FP8_STATIC_K_MAX_BLOCKS = 16
 
 
-def fp8_static_k_stages(shape_k: int) -> int | None:
+def fp8_static_k_stages(shape_k: int, block_n: int = _FP8_BLOCK_N) -> int | None:
     """The ring depth of the fp8 M-grouped GEMM with K = shape_k compiled in, or None where no depth of
-    FP8_STATIC_K_STAGES divides its ceil(K / 128) k-blocks or they are more than FP8_STATIC_K_MAX_BLOCKS."""
+    FP8_STATIC_K_STAGES (of the 192-wide tile: 4) divides its ceil(K / 128) k-blocks or they are more
+    than FP8_STATIC_K_MAX_BLOCKS."""
     k_blocks = -(-shape_k // 128)
     if not 0 < k_blocks <= FP8_STATIC_K_MAX_BLOCKS:
         return None
-    return next((s for s in FP8_STATIC_K_STAGES if k_blocks % s == 0), None)
+    return next((s for s in _FP8_STATIC_K_STAGES.get(block_n, ()) if k_blocks % s == 0), None)
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
 #: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
 #: cooperative schedule, unpaired tiles, and the store or combine epilogues.
@@ -223,9 +229,10 @@ class GemmConfig:
     def __post_init__(self):
         if self.schedule not in _WIDTHS:
             raise ValueError(f"GemmConfig: schedule={self.schedule!r}, expected one of {SCHEDULES}")
-        if self.block_n not in _WIDTHS[self.schedule]:
+        widths = FP8_BLOCK_NS if (self.dtype == "fp8" and self.layout == "nt") else _WIDTHS[self.schedule]
+        if self.block_n not in widths:
             raise ValueError(f"GemmConfig: block_n={self.block_n} with schedule={self.schedule!r}, expected one of "
-                             f"{_WIDTHS[self.schedule]}")
+                             f"{widths}")
         if self.dtype not in MAINLOOPS:
             raise ValueError(f"GemmConfig: dtype={self.dtype!r}, expected one of {tuple(MAINLOOPS)}")
         if self.layout not in _TYPES:
@@ -239,9 +246,10 @@ class GemmConfig:
             if wrong:
                 raise ValueError(f"GemmConfig: dtype='fp8' with layout='k_nt' takes {fp8}, got {wrong}")
         elif self.dtype == "fp8":
-            fp8 = dict(layout="nt", block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False,
-                       schedule="cooperative")
+            fp8 = dict(layout="nt", paired_n=False, gather_a=None, gather_b=False, schedule="cooperative")
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
+            if self.block_n != _FP8_BLOCK_N and self.fp8_mainloop != "serial":
+                wrong["fp8_mainloop"] = self.fp8_mainloop  # two partial sets of a 192-wide slice do not fit
             if wrong or self.epilogue not in _FP8_EPILOGUES:
                 raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8} and an epilogue of {_FP8_EPILOGUES}, got "
                                  f"{wrong or {'epilogue': self.epilogue}}")
@@ -287,17 +295,18 @@ class GemmConfig:
             if self.dtype != "fp8" or self.layout != "nt":
                 raise ValueError(f"GemmConfig: shape_k={self.shape_k} with dtype={self.dtype!r}, "
                                  f"layout={self.layout!r}: K is compiled into the M-grouped fp8 GEMMs only")
-            if fp8_static_k_stages(self.shape_k) is None:
+            if fp8_static_k_stages(self.shape_k, self.block_n) is None:
                 raise ValueError(f"GemmConfig: shape_k={self.shape_k}: its {-(-self.shape_k // 128)} k-blocks are a "
-                                 f"multiple of none of the ring depths {FP8_STATIC_K_STAGES}, or more than "
+                                 f"multiple of none of the ring depths {_FP8_STATIC_K_STAGES[self.block_n]} of "
+                                 f"block_n={self.block_n}, or more than "
                                  f"{FP8_STATIC_K_MAX_BLOCKS}")
 
     @property
     def stages(self) -> int:
         if self.shape_k:
-            return fp8_static_k_stages(self.shape_k)
+            return fp8_static_k_stages(self.shape_k, self.block_n)
         if self.dtype == "fp8" and self.layout != "k_nt":
-            return _FP8_STAGES
+            return _FP8_STAGES[self.block_n]
         return _STAGED_STAGES[self.block_n] if self.epilogue_buffers != 2 else _STAGES[self.block_n]
 
     @property
@@ -341,6 +350,10 @@ class GemmConfig:
         epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
         if self.epilogue_buffers != 2:
             epilogue_cpp = _STAGED_CPP[self.epilogue].format(buffers=self.epilogue_buffers)
+        elif self.block_n == 192 and self.epilogue == "store":
+            # The 192-wide fp8 tile's three chunks per slice all staged before their TMA stores: with
+            # two buffers the third would wait inside the tile for the first one's store.
+            epilogue_cpp = _STAGED_CPP["store"].format(buffers=3)
         loader = ("dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _AWAIT_LOADER if self.await_rows
                   else _LOADERS[self.gather_a])
         mainloop = MAINLOOPS[self.dtype]

@@ -41,7 +41,7 @@ import dataclasses
 import torch
 
 from .. import jit
-from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_MAINLOOPS, GemmConfig, Scatter,
+from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_BLOCK_NS, FP8_MAINLOOPS, GemmConfig, Scatter,
                                      _check_cluster, _check_expert_weight, _check_inputs, _check_multiple, _check_out,
                                      _check_scatter, _check_tensor, _launch, _store_or_scatter_args,
                                      fp8_static_k_stages)
@@ -58,9 +58,11 @@ MAINLOOP_SCHEDULES = tuple(FP8_MAINLOOPS)
 
 
 def _configs() -> list[GemmConfig]:
-    # Clusters of 1, then of 2 (adjacent M blocks sharing the B tile by multicast).
-    return [GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop, cluster_n=cluster)
-            for cluster in (1, 2) for mainloop in MAINLOOP_SCHEDULES
+    # Clusters of 1, then of 2 (adjacent M blocks sharing the B tile by multicast); 128-wide tiles under
+    # both mainloops, 192-wide ones under the serial one.
+    return [GemmConfig("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop, cluster_n=cluster)
+            for block_n in FP8_BLOCK_NS for cluster in (1, 2)
+            for mainloop in (MAINLOOP_SCHEDULES if block_n == _FP8_BLOCK_N else ("serial",))
             for epilogue in ("store", "scatter", "scatter_weighted")]
 
 
@@ -94,7 +96,7 @@ def _static_k_config(config: GemmConfig, k: int) -> GemmConfig:
     chosen = _STATIC_K_CONFIGS.get(key)
     if chosen is None:
         chosen = config
-        if fp8_static_k_stages(k) is not None:
+        if fp8_static_k_stages(k, config.block_n) is not None:
             static = dataclasses.replace(config, shape_k=k)
             if all(u.spill_bytes == 0 for u in static.kernel().resources()):
                 chosen = static
@@ -105,7 +107,8 @@ def _static_k_config(config: GemmConfig, k: int) -> GemmConfig:
 def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: torch.Tensor, sb: torch.Tensor,
                                      starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None, *,
                                      scatter: Scatter | None = None, mainloop: str = "serial",
-                                     cluster_n: int = 1, static_k: bool = False) -> torch.Tensor:
+                                     cluster_n: int = 1, static_k: bool = False,
+                                     block_n: int = _FP8_BLOCK_N) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = dequant(a_q, sa)[r] @ dequant(b_q, sb)[e].T`` for every pool row r
     of expert e, accumulated in fp32 with the scales applied per 128-wide k-block (module docstring).
 
@@ -119,10 +122,17 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     M blocks share the B tile by multicast), the same bits under both. ``static_k``: run a kernel
     with this K compiled in (built on first use for each K), where its k-block count is a multiple of
     one of ``sm90_bf16_grouped_gemm.FP8_STATIC_K_STAGES`` and it compiles without spills (else the
-    K-argument kernel); the same bits.
+    K-argument kernel); the same bits. ``block_n``: the N tile,
+    FP8_BLOCK_NS (192: serial mainloop only; each output element's k-block partial sums and promotion
+    are those of the 128-wide tile).
     """
     if not isinstance(mainloop, str) or mainloop not in MAINLOOP_SCHEDULES:
         raise ValueError(f"mainloop={mainloop!r}: expected one of {MAINLOOP_SCHEDULES}")
+    if isinstance(block_n, bool) or block_n not in FP8_BLOCK_NS:
+        raise ValueError(f"block_n={block_n!r}: expected one of {FP8_BLOCK_NS}")
+    if block_n != _FP8_BLOCK_N and mainloop != "serial":
+        raise ValueError(f"block_n={block_n} with mainloop={mainloop!r}: the {block_n}-wide tile runs the serial "
+                         f"mainloop only (two partial sums of its slice do not fit the registers)")
     _check_cluster(cluster_n)
     if not isinstance(static_k, bool):
         raise ValueError(f"static_k={static_k!r}: expected a bool")
@@ -156,14 +166,14 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
-    config = GemmConfig("nt", _FP8_BLOCK_N, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
+    config = GemmConfig("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
                         cluster_n=cluster_n)
     if static_k:
         config = _static_k_config(config, k)
     with jit.device_guard(a_q):
         b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
         _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,
-                -(-rows // _BLOCK_M) * -(-n // _FP8_BLOCK_N), mainloop_args=dict(scale_a=sa, scale_b=sb))
+                -(-rows // _BLOCK_M) * -(-n // block_n), mainloop_args=dict(scale_a=sa, scale_b=sb))
     return out
 
 

@@ -20,24 +20,20 @@ try:
 except ImportError:  # no cuda-python: the provider is never chosen (plan.jit_available is False)
     _kernels = None
 
-# The fp8 mainloop of the layer's GEMMs: "overlap" (the next k-block's wgmmas issued before the
-# promotion of the current one) gives the same bits as "serial" and measured 1.03-1.05x on the L1
-# forward, L2 forward and L1 dgrad at Qwen3-30B T16384 (0.96x on the L2 dgrad; docs/perf-notes.md v10).
-_FP8_MAINLOOP = "overlap"
-# Clusters of 2 CTAs (B multicast between adjacent M blocks) for the fp8 GEMMs with the slot-scatter
-# epilogue (the L2 forward and the L1 dgrad): 0.99-1.18x of one CTA with the overlap mainloop at
-# Qwen3-30B T16384 and Qwen3-235B T8192, bits equal (docs/perf-notes.md v11); the other fp8 and the
-# bf16 GEMMs measured 0.89-1.03x and keep one CTA.
-_FP8_SCATTER_CLUSTER = 2
-# The fp8 GEMMs with the store epilogue (the L1 forward, the L2 dgrad) run in clusters of 2 where the
-# output is at least 1536 columns wide: 1.04-1.08x of one CTA at Qwen3-30B T16384 and Qwen3-235B T8192
-# (L1 forward N = 1536 / 3072, L2 dgrad N = 1536), where the 768-wide L2 dgrad at Qwen3-30B measured
-# 0.92x (docs/perf-notes.md v21).
-_FP8_STORE_CLUSTER_MIN_N = 1536
-# The fp8 GEMMs run kernels with their K compiled in (a kernel per K of the layer, built on first use),
-# where the k-block count allows a ring depth that divides it: the mainloop unrolls over a known trip
-# count with every k-block's stage a constant (docs/perf-notes.md v25).
-_FP8_STATIC_K = True
+# The layer's fp8 M-grouped GEMMs (the L1 and L2 forward, both data gradients): 128 x 192 tiles on the
+# serial mainloop, one CTA per cluster, K compiled in where a ring of 4 divides the k-blocks (else the
+# K-argument kernel). Same bits as every other tile, mainloop and cluster choice. Measured per GEMM
+# (`scripts/gemm_bench.py --fp8-tiles`, one process, docs/perf-notes.md v26): against the 128-wide tile
+# on the overlap mainloop that ran before (clusters of 2 for the slot-scatter GEMMs and for the store
+# GEMMs with N >= 1536), 1.02-1.18x at Qwen3-30B T16384 and 1.04-1.08x at Qwen3-235B T8192; clusters
+# of 2 measured 0.87-1.00x of one CTA at Qwen3-30B with either tile, 0.90-1.02x at Qwen3-235B.
+_FP8_TILE = dict(mainloop="serial", block_n=192, cluster_n=1, static_k=True)
+
+
+def _fp8_gemm_options(n: int, k: int, scatter: bool) -> dict:
+    """The launcher's tile options for one fp8 M-grouped GEMM of the layer: N x K the weight's, ``scatter``
+    whether it writes slots (the L2 forward, the L1 dgrad). The same for all of them today (_FP8_TILE)."""
+    return dict(_FP8_TILE)
 
 
 def _gather(g: Gather | None, src):
@@ -114,13 +110,11 @@ class Sm90Provider(GemmProvider):
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
-                                                    mainloop=_FP8_MAINLOOP, cluster_n=_FP8_SCATTER_CLUSTER,
-                                                    static_k=_FP8_STATIC_K)
+                                                    **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], True))
         out = _unowned_zeroed(a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16), meta) \
             if zero_unowned else None
-        cluster = 2 if b_q.shape[1] >= _FP8_STORE_CLUSTER_MIN_N else 1
-        return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out, mainloop=_FP8_MAINLOOP,
-                                                cluster_n=cluster, static_k=_FP8_STATIC_K)
+        return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out,
+                                                **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], False))
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8 and recipe.fp8_wgrad:

@@ -168,7 +168,12 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             while (scheduler.next(tile)) {
                 const Columns cols(tile.n_block, shape_n);
                 loader.begin_tile(tile);
-                for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance())
+                // K compiled in: the trip count is hidden from the optimizer, so that the producer's
+                // loop stays rolled (unrolled over the tile it spilled at 40 registers for some K).
+                uint32_t num_k_blocks = tile.num_k_blocks;
+                if constexpr (Traits::kShapeK != 0)
+                    asm volatile("mov.u32 %0, %1;" : "=r"(num_k_blocks) : "r"(num_k_blocks));
+                for (uint32_t kb = 0; kb < num_k_blocks; ++kb, st.advance())
                     loader.load(pipe, st, tile, cols, kb);
             }
         } else if constexpr (MMA::kProducerArrivals > 0) {

@@ -85,17 +85,21 @@ struct GemmTraits {
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(kShapeK == 0 || (kElement == ElementType::E4M3 && kType == GroupedGemmType::MGroupedContiguous),
                   "K is compiled into the M-grouped fp8 GEMMs only");
-    static_assert(BLOCK_N % 128 == 0, "BLOCK_N must be 128 or 256");
+    static_assert(BLOCK_N == 128 || BLOCK_N == 256 || (BLOCK_N == 192 && kElement == ElementType::E4M3),
+                  "BLOCK_N must be 128 or 256 (e4m3: 128 or 192)");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs");
     // Two 64 x BLOCK_N fp32 accumulator slices must fit the consumer's 232 registers.
     static_assert(!kPingpong || (BLOCK_N == 128 && kClusterN == 1),
                   "the ping-pong schedule takes 128 x 128 tiles per warpgroup, without clusters");
     // fp8: wgmma reads e4m3 operands K-major only; the per-k-block partial sums double the
-    // accumulator registers, so one 64 x 128 slice per warpgroup (cooperative, BLOCK_N = 128).
+    // accumulator registers, so one 64 x BLOCK_N slice per warpgroup (cooperative): BLOCK_N = 128, or
+    // 192 for the M-grouped GEMM (96 + 96 accumulators; the K-grouped one's per-column B scales would
+    // not fit beside them).
     static_assert(kElement == ElementType::BF16 ||
-                      (kMajorA == Major::K && kMajorB == Major::K && BLOCK_N == 128 && !kPingpong && !kPairedN),
+                      (kMajorA == Major::K && kMajorB == Major::K && !kPingpong && !kPairedN &&
+                       (BLOCK_N == 128 || (BLOCK_N == 192 && !kKGrouped))),
                   "e4m3 GEMMs: both operands K-major (M-grouped NT, or K-grouped on the transposed pools), "
-                  "cooperative 128 x 128 tiles without paired N");
+                  "cooperative 128 x 128 tiles (M-grouped also 128 x 192) without paired N");
 };
 
 // Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N

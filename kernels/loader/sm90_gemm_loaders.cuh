@@ -106,18 +106,20 @@ struct TmaOperands {
     }
 
     // B: BLOCK_N / 64 atoms of the tile's columns. In a cluster whose pair shares B (tile.multicast,
-    // scheduler/sm90_grouped.cuh), CTA r loads atoms [r h, r h + h), h = BLOCK_N / 128, into the same
-    // smem offset of both CTAs, completing on each CTA's full barrier of the stage: every CTA still
-    // receives the whole stage (its expect_tx bytes are the same either way).
+    // scheduler/sm90_grouped.cuh), CTA r loads atoms [r h, r h + h), h = BLOCK_N / 128 (an odd atom
+    // count, BLOCK_N = 192: the atoms j with j % 2 == r), into the same smem offset of both CTAs,
+    // completing on each CTA's full barrier of the stage: every CTA still receives the whole stage
+    // (its expect_tx bytes are the same either way).
     __device__ __forceinline__ static void load_b(const LoaderArgs& args, const Stages& stages, uint32_t stage,
                                                   const sched::GroupedTile& tile, const Columns& cols, uint32_t k0,
                                                   uint32_t full) {
         constexpr uint32_t kHalf = Traits::kNumBChunks / 2;
+        constexpr bool kEvenAtoms = Traits::kNumBChunks % 2 == 0;
         const bool multicast = Traits::kClusterN > 1 && tile.multicast;
 #pragma unroll
         for (uint32_t j = 0; j < Traits::kNumBChunks; ++j) {
             if constexpr (Traits::kClusterN > 1) {
-                if (multicast && j / kHalf != args.cta_rank)
+                if (multicast && (kEvenAtoms ? j / kHalf : j % 2) != args.cta_rank)
                     continue;
             }
             int32_t col, row;

@@ -42,6 +42,12 @@
 // loads, per k-block, the scales of its accumulator columns (2 per 8-column group of the m64n128
 // fragment: 32), and promotes each element with sa[row] * sb[col].
 //
+// 128 x 192 tiles (M-grouped, serial schedule; acc 96 + partial 96 registers): a tile's columns
+// [n0, n0 + 192) span two 128-column blocks of B's scales, switching after the first 128 - n0 % 128
+// of them (n0 % 128 is 0 or 64), so a thread promotes each 8-column group of its fragment with the
+// first or the second block's scale; past N the second block is the last one's (those columns are
+// not stored).
+//
 // Both compute the same per-k-block partial sums (the same wgmmas on the same stages, scale-d = 0
 // on the first) and promote them in k-block order with the same fmaf, so the results are equal bit
 // for bit.
@@ -65,7 +71,12 @@ struct MainloopFP8 {
     static_assert(Traits::kElement == ElementType::E4M3, "MainloopFP8: e4m3 operands");
     static constexpr uint32_t kScaleBlock = 128;
     static_assert(Traits::kBlockK == kScaleBlock, "MainloopFP8: one k-block per scale block");
-    static_assert(Traits::BLOCK_N == kScaleBlock, "MainloopFP8: one B scale block per tile and k-block");
+    // 192-wide tiles straddle two B scale blocks (TwoBlockScales below): M-grouped, serial schedule.
+    static constexpr bool kTwoBlocksB = Traits::BLOCK_N == 192;
+    static_assert(Traits::BLOCK_N == kScaleBlock ||
+                      (kTwoBlocksB && !Traits::kKGrouped && !kOverlapPromotion),
+                  "MainloopFP8: 128-wide tiles (one B scale block per tile and k-block), or 192-wide M-grouped "
+                  "tiles on the serial schedule (two)");
     using MMA = mma::WgmmaE4M3<Traits::BLOCK_N>;
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     static constexpr uint32_t kNumAccum = MMA::kNumAccum;
@@ -78,10 +89,11 @@ struct MainloopFP8 {
     // per accumulator column (K-grouped: columns 8 j + 2 (lane % 4) + t of the tile, index 2 j + t).
     static constexpr uint32_t kNumScalesB = kKGrouped ? kNumAccum / 2 : 1;
     // M-grouped: a stage's scales in shared memory (file comment), 16-byte aligned: the 128 row
-    // scales, then the tile's B scale.
+    // scales, then the tile's B scale (192-wide tiles: its two B scales).
     static constexpr bool kStagedScales = !kKGrouped;
     static constexpr uint32_t kStageScaleBytes = (BLOCK_M + 4) * 4;
     static constexpr uint32_t kScaleBOffset = BLOCK_M * 4;
+    static constexpr uint32_t kNumBlocksB = kTwoBlocksB ? 2 : 1;
     static constexpr uint32_t kSmemBytes = kStagedScales ? Traits::kNumStages * kStageScaleBytes : 0;
     static constexpr uint32_t kProducerArrivals = kStagedScales ? 32 : 0;
 
@@ -112,8 +124,14 @@ struct MainloopFP8 {
         uint32_t max_dc;
         uint32_t stride;
     };
-    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;  // M-grouped: unused
-    using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], float>;
+    // 192-wide tiles: the tile's two weight-block scales of a k-block and how many of the fragment's
+    // 8-column groups take the first (the rest take the second).
+    struct TwoBlockScales {
+        float first;
+        float second;
+    };
+    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;
+    using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], std::conditional_t<kTwoBlocksB, TwoBlockScales, float>>;
 
     struct Params {
         const float* scale_a;
@@ -154,8 +172,11 @@ struct MainloopFP8 {
         while (scheduler.next(tile)) {
             // Few registers live across the k-blocks: the producer warpgroup runs on 40 of them.
             const uint32_t row0 = tile.m_block * BLOCK_M + lane;
+            // Lane j < kNumBlocksB copies the tile's j-th B scale: its block, block0 + j (192-wide
+            // tiles: past N, the last block's again; those columns are not stored).
+            const uint32_t block = min(tile.n_block * Traits::BLOCK_N / kScaleBlock + lane, params.n_blocks - 1);
             const float* scale_b =
-                params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+                params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + block) * params.k_blocks;
 #pragma unroll 1
             for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
                 ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
@@ -166,7 +187,7 @@ struct MainloopFP8 {
                     const uint32_t row = min(row0 + 32 * i, params.last_row);
                     ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb));
                 }
-                if (lane == 0)
+                if (lane < kNumBlocksB)
                     ptx::cp_async_4(dst + kScaleBOffset, scale_b + kb);
                 ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
             }
@@ -179,13 +200,32 @@ struct MainloopFP8 {
                                                   uint32_t) {}
 
 private:
-    // The serial schedule (file comment).
+    // The serial schedule (file comment). 192-wide tiles: the k-loop is instantiated for each of the
+    // two places where the tile's columns cross into the second weight block (kSplit: 8-column groups
+    // of the fragment in the first block; n0 % 128 is 0 or 64), chosen once per tile, so the
+    // promotion applies each group's scale without a select.
     template <uint32_t kSlices, class Pipe>
     __device__ __forceinline__ static uint32_t mma_serial(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                           sm90::PipelineState<Traits::kNumStages>& st,
                                                           const sched::GroupedTile& tile, const Params& params,
                                                           const Stages& stages, uint32_t first_slice,
                                                           uint32_t lane) {
+        if constexpr (kTwoBlocksB) {
+            if (tile.n_block * Traits::BLOCK_N % kScaleBlock == 0)
+                return serial_loop<kScaleBlock / 8>(acc, pipe, st, tile, params, stages, first_slice, lane);
+            else
+                return serial_loop<kScaleBlock / 16>(acc, pipe, st, tile, params, stages, first_slice, lane);
+        } else {
+            return serial_loop<0>(acc, pipe, st, tile, params, stages, first_slice, lane);
+        }
+    }
+
+    template <uint32_t kSplit, uint32_t kSlices, class Pipe>
+    __device__ __forceinline__ static uint32_t serial_loop(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+                                                           sm90::PipelineState<Traits::kNumStages>& st,
+                                                           const sched::GroupedTile& tile, const Params& params,
+                                                           const Stages& stages, uint32_t first_slice,
+                                                           uint32_t lane) {
         const float* sa_ptr[kSlices][2];
         ScalesBPtr sb_ptr;
         if constexpr (!kStagedScales)
@@ -210,7 +250,7 @@ private:
 
         const uint32_t num_k_blocks = tile_k_blocks(tile, st);
         uint32_t last_stage = 0;
-        for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
+        auto step = [&](uint32_t kb) {
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();
@@ -230,7 +270,7 @@ private:
             pipe.consumer_release(st.stage, lane);
             last_stage = st.stage;
             st.advance();
-            promote(acc, partial, sa, sb);
+            promote<kSplit>(acc, partial, sa, sb);
             if constexpr (!kStagedScales) {
 #pragma unroll
                 for (uint32_t s = 0; s < kSlices; ++s) {
@@ -239,6 +279,15 @@ private:
                 }
                 copy_scales_b(sb, next_sb);
             }
+        };
+        if constexpr (Traits::kShapeK != 0) {
+            // K compiled in: the whole tile unrolled, each k-block's stage a constant (kStaticRing).
+#pragma unroll
+            for (uint32_t kb = 0; kb < Traits::kNumKBlocks; ++kb)
+                step(kb);
+        } else {
+            for (uint32_t kb = 0; kb < num_k_blocks; ++kb)
+                step(kb);
         }
         return last_stage;
     }
@@ -413,6 +462,33 @@ private:
         }
     }
 
+    // 192-wide tiles: accumulator i is in the fragment's 8-column group i / 4, the first kSplit groups
+    // in the first weight block, the others in the second. The products are the 128-wide tile's
+    // (sa[row] * sb, then fmaf).
+    template <uint32_t kSplit, uint32_t kSlices>
+    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
+                                                   const float (&partial)[kSlices][kNumAccum],
+                                                   const float (&sa)[kSlices][2], const TwoBlockScales& sb) {
+        static_assert(kSplit == 8 || kSplit == 16, "MainloopFP8: a 192-wide tile switches blocks after 64 or 128 columns");
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+            const float lo0 = sa[s][0] * sb.first, hi0 = sa[s][1] * sb.first;
+            const float lo1 = sa[s][0] * sb.second, hi1 = sa[s][1] * sb.second;
+#pragma unroll
+            for (uint32_t i = 0; i < kNumAccum; ++i) {
+                const bool first = i / 4 < kSplit;
+                acc[s][i] = fmaf(partial[s][i], (i & 2) ? (first ? hi0 : hi1) : (first ? lo0 : lo1), acc[s][i]);
+            }
+        }
+    }
+    // One weight block per tile (128-wide tiles): kSplit is 0.
+    template <uint32_t kSplit, uint32_t kSlices, class ScalesBArg>
+    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
+                                                   const float (&partial)[kSlices][kNumAccum],
+                                                   const float (&sa)[kSlices][2], const ScalesBArg& sb) {
+        promote(acc, partial, sa, sb);
+    }
+
     // The staged scales (M-grouped): smem addresses in stage 0 of this thread's first row scale and
     // of the tile's B scale. wgmma m64 fragment: thread (warp w, lane l) of the warpgroup holds rows
     // 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the others) of each slice.
@@ -436,33 +512,46 @@ private:
         }
         sb = ptx::ld_shared_f32(scales.block_b + offset);
     }
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], TwoBlockScales& sb,
+                                                       const StagedScales& scales, uint32_t stage) {
+        read_scales(sa, sb.first, scales, stage);
+        sb.second = ptx::ld_shared_f32(scales.block_b + stage * kStageScaleBytes + 4);
+    }
 
-    // K-grouped: where each thread's row scales (its two rows of every 64-row slice) and its columns'
-    // scales (ColumnScales) start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w,
-    // lane l) of the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and
-    // 16 w + l / 4 + 8 (the others) of each slice. Rows past M read the last row's scales. The rows are
-    // the expert's M rows, k-block kb of the tile is the pool's k-block k_row / 128 + kb.
+    // Where each thread's row scales (its two rows of every 64-row slice) and the tile's weight-block
+    // scales start (K-grouped); k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w, lane l) of
+    // the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the
+    // others) of each slice. Rows past the pool read the last row's scales.
+    // K-grouped: the rows are the expert's M rows, k-block kb of the tile is the pool's k-block
+    // k_row / 128 + kb, and the B scales are the thread's columns' (ColumnScales).
     template <uint32_t kSlices>
     __device__ __forceinline__ static ScalesBPtr scale_pointers(const float* (&sa_ptr)[kSlices][2],
                                                              const sched::GroupedTile& tile, const Params& params,
                                                              uint32_t first_slice, uint32_t lane) {
-        static_assert(kKGrouped, "MainloopFP8::scale_pointers: the M-grouped GEMM's scales are staged");
         const uint32_t warp = (threadIdx.x % 128) / 32;
 #pragma unroll
         for (uint32_t s = 0; s < kSlices; ++s) {
 #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
                 const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
-                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks +
-                               tile.k_row / kScaleBlock;
+                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
+                if constexpr (kKGrouped)
+                    sa_ptr[s][h] += tile.k_row / kScaleBlock;
             }
         }
-        const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
-        const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
-        return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
+        if constexpr (kKGrouped) {
+            const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
+            const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
+            return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
+        } else {
+            return params.scale_b +
+                   (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
+        }
     }
 
     __device__ __forceinline__ static void zero_scales_b(float& sb) { sb = 0.0f; }
+    __device__ __forceinline__ static void zero_scales_b(TwoBlockScales& sb) { sb = TwoBlockScales{0.0f, 0.0f}; }
     __device__ __forceinline__ static void zero_scales_b(float (&sb)[kNumScalesB]) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumScalesB; ++i)
@@ -489,6 +578,18 @@ private:
             const uint32_t dc = min(8 * (i / 2) + (i & 1), sb_ptr.max_dc);
             sb[i] = __ldg(sb_ptr.base + static_cast<uint64_t>(dc) * sb_ptr.stride + kb);
         }
+    }
+
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], float& sb,
+                                                       const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
+                                                       uint32_t kb) {
+#pragma unroll
+        for (uint32_t s = 0; s < kSlices; ++s) {
+            sa[s][0] = __ldg(sa_ptr[s][0] + kb);
+            sa[s][1] = __ldg(sa_ptr[s][1] + kb);
+        }
+        sb = __ldg(sb_ptr + kb);
     }
 };
 

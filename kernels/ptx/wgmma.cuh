@@ -179,6 +179,7 @@ struct WgmmaE4M3SS;
     };
 
 DGE_DEFINE_WGMMA_E4M3_SS(128, 6, 4)
+DGE_DEFINE_WGMMA_E4M3_SS(192, 9, 6)
 DGE_DEFINE_WGMMA_E4M3_SS(256, 12, 8)
 
 }  // namespace dge::ptx
