@@ -736,14 +736,15 @@ def test_overlap_mainloop_deterministic(exact_fp32_matmul):
 
 
 def test_static_k_configs():
-    assert gg.FP8_STATIC_K_STAGES == (5, 4) and gg.FP8_STATIC_K_MAX_BLOCKS == 16
+    assert gg.FP8_STATIC_K_STAGES == (5, 4) and gg.FP8_STATIC_K_MAX_BLOCKS == {128: 16, 192: 64}
     # The deepest ring (of 5, 4) that divides ceil(K / 128), up to 16 k-blocks; None: no kernel with K
     # compiled in.
     assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 512, 16)] == \
         [4, None, 4, None, None, 5, 5, None, None, 4, None]
-    # The 192-wide tile fits 4 stages only.
-    assert [gg.fp8_static_k_stages(k, 192) for k in (2048, 768, 1536, 640, 1280, 512, 4096)] == \
-        [4, None, 4, None, None, 4, None]
+    # The 192-wide tile fits 4 stages only, and takes up to 64 k-blocks (its loop unrolls one turn of the
+    # ring).
+    assert [gg.fp8_static_k_stages(k, 192) for k in (2048, 768, 1536, 640, 1280, 512, 4096, 3072, 7168, 8192,
+                                                      8704)] == [4, None, 4, None, None, 4, 4, 4, 4, 4, None]
     wide = gg.GemmConfig("nt", 192, dtype="fp8", cluster_n=2, shape_k=1536)
     assert wide.stages == 4 and wide.name == "sm90_fp8_grouped_gemm_nt_n192_s4_c2_k1536"
     with pytest.raises(ValueError, match=r"shape_k=640: its 5 k-blocks are a multiple of none of the ring depths "
@@ -945,24 +946,26 @@ def test_n192_tiles_with_gaps_and_without_rows(exact_fp32_matmul):
 
 
 @requires_compiler
-def test_n192_static_k_kernel_unrolls_both_splits():
-    # K = 2048: the tile's k-loop unrolled once for each place where the tile crosses into its second
-    # weight block (after 128 or 64 columns): 2 x 16 k-blocks x 4 QGMMA m64n192k32; no spills.
-    config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=2048)
-    kernel = _build(config)
-    assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
-    if _CUOBJDUMP is None:
-        pytest.skip("cuobjdump not installed: compile checked, SASS not")
-    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
-                          text=True).stdout
-    assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == 2 * 16 * 4, config.name
+def test_n192_static_k_kernel_unrolls_one_turn_per_split():
+    # K = 2048 and 4096: the tile's k-loop is a loop over turns of the 4-deep ring, one turn unrolled
+    # (4 k-blocks x 4 QGMMA m64n192k32), once for each place where the tile crosses into its second
+    # weight block (after 128 or 64 columns): 32 QGMMA whatever K is; no spills.
+    for k in (2048, 4096):
+        config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=k)
+        kernel = _build(config)
+        assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
+        if _CUOBJDUMP is None:
+            pytest.skip("cuobjdump not installed: compile checked, SASS not")
+        sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                              text=True).stdout
+        assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == 2 * 4 * 4, config.name
 
 
 @requires_hopper
 @pytest.mark.parametrize("cluster_n", [1, 2])
-@pytest.mark.parametrize("k", [2048, 1536, 512, 768])
+@pytest.mark.parametrize("k", [2048, 1536, 512, 768, 3072])
 def test_n192_static_k_is_bit_identical(k, cluster_n, exact_fp32_matmul):
-    # 16, 12 and 4 k-blocks (ring of 4), 6 (no ring divides them: the K-argument kernel runs). N = 448:
+    # 16, 12, 4 and 24 k-blocks (ring of 4), 6 (no ring divides them: the K-argument kernel runs). N = 448:
     # tiles starting on a weight block and half-way into one, the last one past N.
     seed = 6100 + k + cluster_n
     g = torch.Generator().manual_seed(seed)
@@ -998,7 +1001,7 @@ def test_n192_static_k_many_tiles_per_cta_at_qwen3_30b(exact_fp32_matmul):
     seed = 4343
     g = torch.Generator().manual_seed(seed)
     starts, ends, rows, pad, _ = _routed(2048, 128, 8, "uniform", g)
-    for k, n in ((2048, 1536), (1536, 2048), (2048, 768)):
+    for k, n in ((2048, 1536), (1536, 2048), (2048, 768), (4096, 384)):
         ops = _int_operands(rows, k, 128, n, pad, g, exact=True)
         argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="serial", block_n=192)
         _assert_same_bits(static, argument, f"seed={seed} k={k} n={n} n192")

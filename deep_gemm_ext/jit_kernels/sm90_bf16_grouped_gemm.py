@@ -166,17 +166,19 @@ _FP8_STAGES = {128: 5, 192: 4}
 #: gave 1.01-1.10x (docs/perf-notes.md v25). The 192-wide tile fits 4 stages only.
 FP8_STATIC_K_STAGES = (5, 4)
 _FP8_STATIC_K_STAGES = {128: FP8_STATIC_K_STAGES, 192: (4,)}
-#: At most this many k-blocks with K compiled in: the unrolled tile grows with K (~1800 instructions at
-#: 16 k-blocks, ~6500 at 56), and K up to 2048 is what was measured (docs/perf-notes.md v25).
-FP8_STATIC_K_MAX_BLOCKS = 16
+#: At most this many k-blocks with K compiled in, per N tile: the 128-wide tile's overlap loop is
+#: unrolled over the whole tile, which grows with K (~1800 instructions at 16 k-blocks, ~6500 at 56; K
+#: up to 2048 is what was measured, docs/perf-notes.md v25); the 192-wide tile's serial loop is unrolled
+#: over one turn of the ring whatever K is (v26).
+FP8_STATIC_K_MAX_BLOCKS = {128: 16, 192: 64}
 
 
 def fp8_static_k_stages(shape_k: int, block_n: int = _FP8_BLOCK_N) -> int | None:
     """The ring depth of the fp8 M-grouped GEMM with K = shape_k compiled in, or None where no depth of
     FP8_STATIC_K_STAGES (of the 192-wide tile: 4) divides its ceil(K / 128) k-blocks or they are more
-    than FP8_STATIC_K_MAX_BLOCKS."""
+    than FP8_STATIC_K_MAX_BLOCKS of the tile."""
     k_blocks = -(-shape_k // 128)
-    if not 0 < k_blocks <= FP8_STATIC_K_MAX_BLOCKS:
+    if not 0 < k_blocks <= FP8_STATIC_K_MAX_BLOCKS.get(block_n, 0):
         return None
     return next((s for s in _FP8_STATIC_K_STAGES.get(block_n, ()) if k_blocks % s == 0), None)
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
@@ -299,7 +301,7 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig: shape_k={self.shape_k}: its {-(-self.shape_k // 128)} k-blocks are a "
                                  f"multiple of none of the ring depths {_FP8_STATIC_K_STAGES[self.block_n]} of "
                                  f"block_n={self.block_n}, or more than "
-                                 f"{FP8_STATIC_K_MAX_BLOCKS}")
+                                 f"{FP8_STATIC_K_MAX_BLOCKS.get(self.block_n)}")
 
     @property
     def stages(self) -> int:

@@ -280,8 +280,17 @@ private:
                 copy_scales_b(sb, next_sb);
             }
         };
-        if constexpr (Traits::kShapeK != 0) {
-            // K compiled in: the whole tile unrolled, each k-block's stage a constant (kStaticRing).
+        if constexpr (Traits::kStaticRing) {
+            // K compiled in, the ring's depth dividing the k-blocks: a loop over the tile's turns of
+            // the ring, each turn unrolled, so every k-block's stage is a constant and the code holds
+            // one turn whatever K is.
+#pragma unroll 1
+            for (uint32_t turn = 0; turn < Traits::kNumKBlocks / Traits::kNumStages; ++turn) {
+#pragma unroll
+                for (uint32_t j = 0; j < Traits::kNumStages; ++j)
+                    step(turn * Traits::kNumStages + j);
+            }
+        } else if constexpr (Traits::kShapeK != 0) {
 #pragma unroll
             for (uint32_t kb = 0; kb < Traits::kNumKBlocks; ++kb)
                 step(kb);
