@@ -22,11 +22,13 @@ except ImportError:  # no cuda-python: the provider is never chosen (plan.jit_av
 
 # The layer's fp8 M-grouped GEMMs (the L1 and L2 forward, both data gradients): 128 x 192 tiles on the
 # serial mainloop, one CTA per cluster, K compiled in where a ring of 4 divides the k-blocks (else the
-# K-argument kernel). Same bits as every other tile, mainloop and cluster choice. Measured per GEMM
-# (`scripts/gemm_bench.py --fp8-tiles`, one process, docs/perf-notes.md v26): against the 128-wide tile
-# on the overlap mainloop that ran before (clusters of 2 for the slot-scatter GEMMs and for the store
-# GEMMs with N >= 1536), 1.02-1.18x at Qwen3-30B T16384 and 1.04-1.08x at Qwen3-235B T8192; clusters
-# of 2 measured 0.87-1.00x of one CTA at Qwen3-30B with either tile, 0.90-1.02x at Qwen3-235B.
+# K-argument kernel). Same bits as every other tile, mainloop and cluster choice. Measured inside the
+# layer (the step's own kernel times under torch.profiler, Qwen3-30B T16384, docs/perf-notes.md v26):
+# the four fp8 GEMMs 2630 us a step, against 2873 us with the 128-wide tile on the overlap mainloop that
+# ran before (clusters of 2 for the slot-scatter GEMMs and the store GEMMs with N >= 1536) and 2744 us
+# with that tile on one CTA. Timed alone (`scripts/gemm_bench.py --fp8-tiles`) the order of the two tiles
+# changed between machines at Qwen3-30B (0.90-1.09x), the 192-wide one won at Qwen3-235B (1.04-1.14x),
+# and clusters of 2 ran at 0.82-1.03x of one CTA.
 _FP8_TILE = dict(mainloop="serial", block_n=192, cluster_n=1, static_k=True)
 
 

@@ -124,13 +124,13 @@ struct MainloopFP8 {
         uint32_t max_dc;
         uint32_t stride;
     };
-    // 192-wide tiles: the tile's two weight-block scales of a k-block and how many of the fragment's
-    // 8-column groups take the first (the rest take the second).
+    // 192-wide tiles: the tile's two weight-block scales of a k-block (which 8-column groups take the
+    // first is serial_loop's kSplit).
     struct TwoBlockScales {
         float first;
         float second;
     };
-    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;
+    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;  // M-grouped: unused
     using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], std::conditional_t<kTwoBlocksB, TwoBlockScales, float>>;
 
     struct Params {
@@ -528,35 +528,29 @@ private:
         sb.second = ptx::ld_shared_f32(scales.block_b + stage * kStageScaleBytes + 4);
     }
 
-    // Where each thread's row scales (its two rows of every 64-row slice) and the tile's weight-block
-    // scales start (K-grouped); k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w, lane l) of
-    // the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the
-    // others) of each slice. Rows past the pool read the last row's scales.
-    // K-grouped: the rows are the expert's M rows, k-block kb of the tile is the pool's k-block
-    // k_row / 128 + kb, and the B scales are the thread's columns' (ColumnScales).
+    // K-grouped: where each thread's row scales (its two rows of every 64-row slice) and its columns'
+    // scales (ColumnScales) start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w,
+    // lane l) of the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and
+    // 16 w + l / 4 + 8 (the others) of each slice. Rows past M read the last row's scales. The rows are
+    // the expert's M rows, k-block kb of the tile is the pool's k-block k_row / 128 + kb.
     template <uint32_t kSlices>
     __device__ __forceinline__ static ScalesBPtr scale_pointers(const float* (&sa_ptr)[kSlices][2],
                                                              const sched::GroupedTile& tile, const Params& params,
                                                              uint32_t first_slice, uint32_t lane) {
+        static_assert(kKGrouped, "MainloopFP8::scale_pointers: the M-grouped GEMM's scales are staged");
         const uint32_t warp = (threadIdx.x % 128) / 32;
 #pragma unroll
         for (uint32_t s = 0; s < kSlices; ++s) {
 #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
                 const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
-                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks;
-                if constexpr (kKGrouped)
-                    sa_ptr[s][h] += tile.k_row / kScaleBlock;
+                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks +
+                               tile.k_row / kScaleBlock;
             }
         }
-        if constexpr (kKGrouped) {
-            const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
-            const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
-            return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
-        } else {
-            return params.scale_b +
-                   (static_cast<uint64_t>(tile.expert) * params.n_blocks + tile.n_block) * params.k_blocks;
-        }
+        const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
+        const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
+        return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
     }
 
     __device__ __forceinline__ static void zero_scales_b(float& sb) { sb = 0.0f; }
@@ -587,18 +581,6 @@ private:
             const uint32_t dc = min(8 * (i / 2) + (i & 1), sb_ptr.max_dc);
             sb[i] = __ldg(sb_ptr.base + static_cast<uint64_t>(dc) * sb_ptr.stride + kb);
         }
-    }
-
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], float& sb,
-                                                       const float* (&sa_ptr)[kSlices][2], const float* sb_ptr,
-                                                       uint32_t kb) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            sa[s][0] = __ldg(sa_ptr[s][0] + kb);
-            sa[s][1] = __ldg(sa_ptr[s][1] + kb);
-        }
-        sb = __ldg(sb_ptr + kb);
     }
 };
 
