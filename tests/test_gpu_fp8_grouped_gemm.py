@@ -200,6 +200,17 @@ def _build(config):
     return jit.build(config.name, config.code())
 
 
+def _unserialized_sass(config, kernel, entry) -> str:
+    """Checks that ptxas serialized no wgmma of the kernel; its SASS (the test skips without cuobjdump)."""
+    log = (entry.path / "ptxas.log").read_text()
+    assert "wgmma.mma_async instructions are serialized" not in log and "warpgroup.wait is injected" not in log, \
+        f"{config.name}: {log[-2000:]}"
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: PTX checked, SASS not")
+    return subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+
+
 @requires_compiler
 @pytest.mark.parametrize("mainloop", ["serial", "overlap"])
 @pytest.mark.parametrize("epilogue", ["store", "scatter", "scatter_weighted"])
@@ -225,13 +236,7 @@ def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, mainloop):
     # ptxas serializes wgmmas (C7510-C7520 "Potential Performance Loss: wgmma.mma_async instructions
     # are serialized") when it cannot prove the accumulators untouched while they run: the overlap
     # would be lost without any error.
-    log = (entry.path / "ptxas.log").read_text()
-    assert "wgmma.mma_async instructions are serialized" not in log and "warpgroup.wait is injected" not in log, \
-        f"{config.name}: {log[-2000:]}"
-    if _CUOBJDUMP is None:
-        pytest.skip("cuobjdump not installed: PTX checked, SASS not")
-    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
-                          text=True).stdout
+    sass = _unserialized_sass(config, kernel, entry)
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass, config.name
     # The scales reach the consumers through shared memory: the producer's 4-byte cp.async copies
     # (LDGSTS) fill them, and no global load (LDG) sits among the consumers' QGMMAs (before, the
@@ -267,13 +272,7 @@ def test_fp8_n192_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, cluster
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
     assert shapes and set(shapes) == {("m64n192k32", "e4m3", "e4m3")}, shapes
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == {"0"}, config.name
-    log = (entry.path / "ptxas.log").read_text()
-    assert "wgmma.mma_async instructions are serialized" not in log and "warpgroup.wait is injected" not in log, \
-        f"{config.name}: {log[-2000:]}"
-    if _CUOBJDUMP is None:
-        pytest.skip("cuobjdump not installed: PTX checked, SASS not")
-    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
-                          text=True).stdout
+    sass = _unserialized_sass(config, kernel, entry)
     assert "QGMMA.64x192x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass, config.name
     assert "STL" not in sass and "LDL" not in sass, config.name
 
@@ -640,28 +639,43 @@ def _routed_operands(n, k, routing, data, seed):
     return starts, ends, rows, ops
 
 
+def _routed_cases(shapes):
+    """The (data, routing, n, k) grid of a variant comparison on a Hopper GPU."""
+    def mark(test):
+        for m in (pytest.mark.parametrize("n,k", shapes),
+                  pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"]),
+                  pytest.mark.parametrize("data", ["gaussian", "int"]), requires_hopper):
+            test = m(test)
+        return test
+    return mark
+
+
+def _routed_case(base: int, routing_step: int, n: int, k: int, routing: str, data: str):
+    """One routed case of a variant comparison: its seed (from ``base`` + k, the routing kind times
+    ``routing_step`` and the data kind), operands, label and the emulation check's mode."""
+    seed = base + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * routing_step \
+        + len(data)
+    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
+    return starts, ends, rows, ops, f"seed={seed} n={n} k={k} {routing} {data}", \
+        "realistic" if data == "gaussian" else "fp32"
+
+
 # K = 16 .. 2048: 1 to 16 k-blocks, odd and even counts (the overlap schedule's two tails), ragged
 # last k-blocks (272, 1008, 16) and N blocks (200, 1000, 64).
 _OVERLAP_SHAPES = _QWEN3_30B + _RAGGED + [(256, 128), (384, 256), (128, 384), (256, 512), (640, 640)]
 
 
-@requires_hopper
-@pytest.mark.parametrize("data", ["gaussian", "int"])
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
-@pytest.mark.parametrize("n,k", _OVERLAP_SHAPES)
+@_routed_cases(_OVERLAP_SHAPES)
 def test_overlap_mainloop_is_bit_identical_to_serial(n, k, routing, data, exact_fp32_matmul):
     # Same partial sums (same wgmmas, scale-d = 0 first), promoted in the same order with the same
     # fmaf: every output bit equal, NaN rows (no expert) included; realistic Gaussian operands
     # exercise the tensor cores' reduced-precision accumulation, random fp32 scales the promotion's
     # roundings.
-    seed = 3000 + 1000 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 7 \
-        + len(data)
-    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
+    starts, ends, rows, ops, where, mode = _routed_case(3000 + 1000 * n, 7, n, k, routing, data)
     serial, overlap = _both(ops, starts, ends, (rows, n))
-    where = f"seed={seed} n={n} k={k} {routing} {data}"
     _assert_same_bits(overlap, serial, where)
     # Not both wrong the same way: the overlap output on its own against the emulation.
-    _check(overlap, *ops, starts, ends, mode="realistic" if data == "gaussian" else "fp32", what=where)
+    _check(overlap, *ops, starts, ends, mode=mode, what=where)
 
 
 @requires_hopper
@@ -873,20 +887,14 @@ def _assert_tile_bits(wide, narrow, where: str) -> None:
 _N192_SHAPES = _QWEN3_30B + [(768, 2048), (1000, 1008), (200, 272), (64, 16), (192, 256), (384, 640)]
 
 
-@requires_hopper
-@pytest.mark.parametrize("data", ["gaussian", "int"])
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "one_expert"])
-@pytest.mark.parametrize("n,k", _N192_SHAPES)
+@_routed_cases(_N192_SHAPES)
 def test_n192_tiles_match_n128(n, k, routing, data, exact_fp32_matmul):
     # Each output element's k-block partial sums come from one wgmma column either way and are promoted
     # with the same products (sa[row] * sb[block]) in the same k order, so the bits are expected equal;
     # on their own, the 192-wide outputs against the emulation too.
-    seed = 5000 + 997 * n + k + {"uniform": 0, "zipf": 1, "empty_experts": 2, "one_expert": 3}[routing] * 11 \
-        + len(data)
-    starts, ends, rows, ops = _routed_operands(n, k, routing, data, seed)
+    starts, ends, rows, ops, where, mode = _routed_case(5000 + 997 * n, 11, n, k, routing, data)
     narrow, wide = _tiles(ops, starts, ends, (rows, n))
-    where = f"seed={seed} n={n} k={k} {routing} {data}"
-    _check(wide, *ops, starts, ends, mode="realistic" if data == "gaussian" else "fp32", what=where + " n192")
+    _check(wide, *ops, starts, ends, mode=mode, what=where + " n192")
     _assert_tile_bits(wide, narrow, where)
 
 
