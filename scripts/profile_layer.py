@@ -2,7 +2,9 @@
 """Where the time of the layer goes: its CUDA kernels and the gaps between them, and what the
 ``DGE_CHECK_IDS`` host sync costs a 48-layer training step.
 
-``kernels``: one forward+backward under torch.profiler. Per kernel name: launches and device time;
+``kernels``: one forward+backward (``--steps N``: N of them) under torch.profiler. Per kernel name
+(our GEMMs by their configuration: grouping, mainloop, epilogue, N tile, stages, cluster, compiled K),
+launches and device time per step;
 then the whole step: kernels, their total time, the idle time between consecutive kernels (and
 memcpy / memset) on each stream, and the largest gaps with the kernels around them.
 
@@ -12,7 +14,7 @@ alternating rounds; CUDA-event medians of the step and the difference per step a
 layers share one set of expert weights by default (48 distinct Qwen3-30B expert sets and their
 gradients need about 116 GB): the kernels and host syncs per layer are the same either way.
 
-    python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384 [--recipe fp8]
+    python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384 [--recipe fp8] [--steps 3]
     python scripts/profile_layer.py sync
     python scripts/profile_layer.py sync --dry-run      # 2 tiny layers, also on a CPU
     python scripts/profile_layer.py host [--workload qwen3-30b-a3b-t4096 ...]
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -113,14 +116,41 @@ def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
-def print_kernel_report(title: str, s: dict, rows: int) -> None:
+_GEMM_TYPES = {"0": "M-grouped", "1": "K-grouped"}
+
+
+def gemm_label(name: str) -> str | None:
+    """A short label for a kernel of our SM90 GEMM core (its demangled name is too long to tell two
+    configurations apart once cut): grouping, mainloop, epilogue, N tile, stages, CTAs per cluster and
+    the compiled-in K (K0: a kernel argument), e.g. "GEMM M-grouped MainloopFP8 EpilogueScatterSlots
+    n192 s4 c1 K1536"; None for any other kernel."""
+    start = name.find("sm90_grouped_gemm_kernel<")
+    traits = name.find("GemmTraits<", start)
+    if start < 0 or traits < 0:
+        return None
+    end = name.find(">", traits)
+    args = [a.strip().split(")")[-1].rstrip("u") for a in name[traits + len("GemmTraits<"):end].split(",")]
+    if len(args) < 6:
+        return None
+    policies = [p.split("<")[0] for p in re.findall(r"dge::gemm::((?:Loader|Mainloop|Epilogue)\w*)", name[end:])]
+    mainloop = next((p for p in policies if p.startswith("Mainloop")), "?")
+    epilogue = next((p for p in policies if p.startswith("Epilogue")), "?")
+    k = args[10] if len(args) > 10 else "0"
+    return (f"GEMM {_GEMM_TYPES.get(args[0], args[0])} {mainloop} {epilogue} n{args[3]} s{args[4]} c{args[5]} "
+            f"K{k}")
+
+
+def print_kernel_report(title: str, s: dict, rows: int, steps: int = 1) -> None:
+    """The per-name table (launches and time per step, over ``steps`` profiled steps; our GEMMs by
+    their configuration, gemm_label), the largest gaps and the totals of all the steps."""
     print(f"\n{title}")
-    print("\n| kernel | launches | total us | mean us |\n|---|---|---|---|")
+    print("\n| kernel | launches per step | us per step | mean us |\n|---|---|---|---|")
     for name, count, total in s["per_name"][:rows]:
-        print(f"| {_short(name)} | {count} | {total:.1f} | {total / count:.1f} |")
+        print(f"| {gemm_label(name) or _short(name)} | {count / steps:g} | {total / steps:.1f} | {total / count:.1f} |")
     if len(s["per_name"]) > rows:
         rest = s["per_name"][rows:]
-        print(f"| ({len(rest)} more names) | {sum(r[1] for r in rest)} | {sum(r[2] for r in rest):.1f} | |")
+        print(f"| ({len(rest)} more names) | {sum(r[1] for r in rest) / steps:g} | "
+              f"{sum(r[2] for r in rest) / steps:.1f} | |")
     print("\n| largest gap us | after | before |\n|---|---|---|")
     for gap, before, after in s["largest_gaps"]:
         print(f"| {gap:.1f} | {_short(before, 60)} | {_short(after, 60)} |")
@@ -132,6 +162,9 @@ def print_kernel_report(title: str, s: dict, rows: int) -> None:
 def cmd_kernels(args) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    if args.steps < 1:
+        print(f"--steps {args.steps}: expected at least 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("profile_layer.py kernels needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -153,7 +186,8 @@ def cmd_kernels(args) -> int:
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU op tracing: it would widen the gaps
-        step()
+        for _ in range(args.steps):
+            step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -162,8 +196,9 @@ def cmd_kernels(args) -> int:
         if args.trace:
             Path(args.trace).write_text(path.read_text())
     s = summarize(device_activities(trace))
+    steps = "one forward+backward" if args.steps == 1 else f"{args.steps} forward+backward steps"
     print_kernel_report(f"{args.impl} ({args.recipe}) on {args.workload} (DGE_CHECK_IDS={_check_ids_label()}): "
-                        f"one forward+backward", s, args.rows)
+                        f"{steps}", s, args.rows, args.steps)
     return 0
 
 
@@ -394,6 +429,7 @@ def main(argv=None) -> int:
     k.add_argument("--recipe", choices=["bf16", "fp8"], default="bf16", help="the layer's recipe (--impl ours)")
     k.add_argument("--rows", type=int, default=25, help="kernel names listed (by total time)")
     k.add_argument("--trace", default=None, help="also save the chrome trace here")
+    k.add_argument("--steps", type=int, default=1, help="forward+backward steps profiled (the table is per step)")
     s = sub.add_parser("sync", help="DGE_CHECK_IDS=1 vs 0 on a stack of routed layers")
     s.add_argument("--layers", type=int, default=48)
     s.add_argument("--tokens", type=int, default=4096)
