@@ -153,7 +153,9 @@ def print_kernel_report(title: str, s: dict, rows: int, steps: int = 1) -> None:
               f"{sum(r[2] for r in rest) / steps:.1f} | |")
     print("\n| largest gap us | after | before |\n|---|---|---|")
     for gap, before, after in s["largest_gaps"]:
-        print(f"| {gap:.1f} | {_short(before, 60)} | {_short(after, 60)} |")
+        print(f"| {gap:.1f} | {gemm_label(before) or _short(before, 60)} | {gemm_label(after) or _short(after, 60)} |")
+    if steps > 1:
+        print(f"\nTotals over the {steps} steps:")
     print("\n| kernels | kernel us | memcpy/memset | gaps | gap us | span us | streams |\n|---|---|---|---|---|---|---|")
     print(f"| {s['kernels']} | {s['kernel_us']:.1f} | {s['activities'] - s['kernels']} | {s['gaps']} "
           f"| {s['gap_us']:.1f} | {s['span_us']:.1f} | {s['streams']} |")
