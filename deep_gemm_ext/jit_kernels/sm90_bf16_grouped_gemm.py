@@ -144,8 +144,8 @@ MAINLOOPS = {
     "fp8": Mainloop("E4M3", "dge::gemm::MainloopFP8", "mma/sm90_mainloop_fp8.cuh",
                     (KernelArg("scale_a", "const float*"), KernelArg("scale_b", "const float*"))),
 }
-#: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, 128-wide cooperative tiles,
-#: the plain TMA loader.
+#: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, cooperative tiles, the plain TMA
+#: loader; its default N tile (and the K-grouped GEMM's only one):
 _FP8_BLOCK_N = 128
 #: N tiles of the M-grouped fp8 GEMM: 128, or 192 (serial mainloop only: 96 + 96 accumulator registers,
 #: a tile straddling two 128-column weight-scale blocks).
