@@ -55,8 +55,8 @@ or the fp8 data times its scales), "check" whether all of them are below _UPSTRE
 the two M-grouped outputs are equal bit for bit (not required: different kernels). Without deep_gemm (or
 without an SM90 GPU) it prints "not measured: <reason>" and exits 0.
 
---fp8-tiles: per M-grouped fp8 GEMM of each workload, TFLOP/s of the 128 x 128 tile (overlap mainloop,
-the layer's today; clusters of 1 and 2) against the 128 x 192 tile (serial mainloop; clusters of 1 and 2),
+--fp8-tiles: per M-grouped fp8 GEMM of each workload, TFLOP/s of the 128 x 128 tile (overlap mainloop;
+clusters of 1 and 2) against the 128 x 192 tile (serial mainloop, the layer's on one CTA; clusters of 1 and 2),
 all with K compiled in (``static_k``: where no ring divides the k-blocks, the K-argument kernel);
 "bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
 experts own.
