@@ -60,10 +60,9 @@ struct GemmTraits {
     // K elements per k-block (one stage): 128 bytes of each operand row.
     static constexpr uint32_t kBlockK = kElement == ElementType::BF16 ? BLOCK_K : 128;
     static constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
-    // K compiled in (M-grouped fp8): every tile has the same kNumKBlocks k-blocks, the mainloop's
-    // loop has a known trip count, and where kNumKBlocks is a multiple of the ring's depth every tile
-    // starts at stage 0 (kStaticRing), so each k-block's stage, barriers and smem offsets are
-    // constants of the unrolled loop.
+    // K compiled in (M-grouped fp8): every tile has the same kNumKBlocks k-blocks, a multiple of the
+    // ring's depth (asserted below), so every tile starts at stage 0 (kStaticRing) and each k-block's
+    // stage, barriers and smem offsets are constants of the unrolled loop.
     static constexpr uint32_t kShapeK = kShapeK_;
     static constexpr uint32_t kNumKBlocks = (kShapeK + kBlockK - 1) / kBlockK;
     static constexpr bool kStaticRing = kShapeK > 0 && kNumKBlocks % kNumStages == 0;
@@ -85,6 +84,7 @@ struct GemmTraits {
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(kShapeK == 0 || (kElement == ElementType::E4M3 && kType == GroupedGemmType::MGroupedContiguous),
                   "K is compiled into the M-grouped fp8 GEMMs only");
+    static_assert(kShapeK == 0 || kStaticRing, "K compiled in: the ring's depth must divide the k-blocks");
     static_assert(BLOCK_N == 128 || BLOCK_N == 256 || (BLOCK_N == 192 && kElement == ElementType::E4M3),
                   "BLOCK_N must be 128 or 256 (e4m3: 128 or 192)");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs");

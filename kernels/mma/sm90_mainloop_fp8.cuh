@@ -290,10 +290,6 @@ private:
                 for (uint32_t j = 0; j < Traits::kNumStages; ++j)
                     step(turn * Traits::kNumStages + j);
             }
-        } else if constexpr (Traits::kShapeK != 0) {
-#pragma unroll
-            for (uint32_t kb = 0; kb < Traits::kNumKBlocks; ++kb)
-                step(kb);
         } else {
             for (uint32_t kb = 0; kb < num_k_blocks; ++kb)
                 step(kb);
@@ -560,7 +556,6 @@ private:
         for (uint32_t i = 0; i < kNumScalesB; ++i)
             sb[i] = 0.0f;
     }
-    __device__ __forceinline__ static void copy_scales_b(float& sb, float next) { sb = next; }
     __device__ __forceinline__ static void copy_scales_b(float (&sb)[kNumScalesB], const float (&next)[kNumScalesB]) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumScalesB; ++i)
