@@ -5,12 +5,50 @@ so tests (and users) can flip them at run time with ``os.environ``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
+# While recording() is active: every variable a knob read, with the raw value it saw (None: unset).
+_recorded: dict | None = None
+
+
+def _get(name: str, default=None):
+    """``os.environ.get(name, default)``, noted by an active :func:`recording`."""
+    raw = os.environ.get(name)
+    if _recorded is not None:
+        _recorded.setdefault(name, raw)
+    return default if raw is None else raw
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: the knobs note the variables they read; yields the dict ``{name: raw value or None}``,
+    complete when the block ends. A decision made from knobs stays valid while :func:`unchanged`
+    says so (deep_gemm_ext.plan caches its resolution this way)."""
+    global _recorded
+    outer, _recorded = _recorded, {}
+    reads = _recorded
+    try:
+        yield reads
+    finally:
+        _recorded = outer
+        if outer is not None:
+            for name, raw in reads.items():
+                outer.setdefault(name, raw)
+
+
+def unchanged(reads: tuple) -> bool:
+    """Whether every ``(name, raw value)`` of a :func:`recording` still reads the same."""
+    get = os.environ.get
+    for name, raw in reads:
+        if get(name) != raw:
+            return False
+    return True
+
 
 def _flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name, "1" if default else "0").strip().lower()
+    value = _get(name, "1" if default else "0").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
@@ -20,7 +58,7 @@ def _flag(name: str, default: bool = False) -> bool:
 
 def jit_cache_dir() -> Path:
     """DGE_JIT_CACHE_DIR: where compiled kernels live (default ~/.deep_gemm_ext)."""
-    return Path(os.environ.get("DGE_JIT_CACHE_DIR", str(Path.home() / ".deep_gemm_ext"))).expanduser()
+    return Path(_get("DGE_JIT_CACHE_DIR", str(Path.home() / ".deep_gemm_ext"))).expanduser()
 
 
 def jit_debug() -> bool:
@@ -35,7 +73,7 @@ def jit_use_nvrtc() -> bool:
 
 def jit_nvcc_compiler() -> str | None:
     """DGE_JIT_NVCC_COMPILER: path of the nvcc to use (default: $CUDA_HOME/bin/nvcc, then PATH)."""
-    return os.environ.get("DGE_JIT_NVCC_COMPILER") or None
+    return _get("DGE_JIT_NVCC_COMPILER") or None
 
 
 def jit_ptxas_verbose() -> bool:
@@ -72,7 +110,7 @@ def gemm_schedule() -> str:
     consumer warpgroups on every 128 x 256 (or 128 x 128) tile; ``pingpong``: each warpgroup on
     alternate 128 x 128 tiles, one's epilogue overlapping the other's mainloop (same bits as
     cooperative 128 x 128 tiles)."""
-    value = os.environ.get("DGE_GEMM_SCHEDULE", "cooperative").strip().lower()
+    value = _get("DGE_GEMM_SCHEDULE", "cooperative").strip().lower()
     if value not in GEMM_SCHEDULES:
         raise ValueError(f"DGE_GEMM_SCHEDULE={os.environ['DGE_GEMM_SCHEDULE']!r}: expected one of {GEMM_SCHEDULES}")
     return value
@@ -99,7 +137,7 @@ def fused_gather() -> str | None:
     in the forward; the backward rebuilds it for dW1, so the layer saves x instead of the
     [T*K, H] pool). ``cp_async`` (default; also 1) or ``tma`` picks the loader; 0 gathers into a
     pool first and saves it. Returns the loader, or None."""
-    value = os.environ.get("DGE_FUSED_GATHER", "cp_async").strip().lower()
+    value = _get("DGE_FUSED_GATHER", "cp_async").strip().lower()
     if value not in _GATHER_MODES:
         raise ValueError(f"DGE_FUSED_GATHER={os.environ['DGE_FUSED_GATHER']!r}: expected cp_async, tma, 1 or 0")
     return _GATHER_MODES[value]
@@ -112,7 +150,7 @@ def fused_gather_backward() -> bool | None:
     tile re-gathers all of its expert's rows (docs/perf-notes.md, v5). None when unset: the plan then
     gathers only where the quantization kernels of fp8 operands do it (fp8 weight gradients on our
     SM90 kernels), off otherwise."""
-    if not os.environ.get("DGE_FUSED_GATHER_BACKWARD", "").strip():
+    if not _get("DGE_FUSED_GATHER_BACKWARD", "").strip():
         return None
     return _flag("DGE_FUSED_GATHER_BACKWARD")
 
@@ -130,7 +168,7 @@ def fp8_wgrad() -> str | None:
     operands (``fp8``) or bf16 ones (``bf16``: unquantized operands, twice the bytes). None when
     unset: the plan then takes bf16 on our SM90 kernels (their fp8 K-grouped GEMM is opt-in until
     measured faster) and fp8 elsewhere."""
-    if not os.environ.get("DGE_FP8_WGRAD", "").strip():
+    if not _get("DGE_FP8_WGRAD", "").strip():
         return None
     value = os.environ["DGE_FP8_WGRAD"].strip().lower()
     if value not in ("fp8", "bf16"):
@@ -151,7 +189,7 @@ def check_ids() -> bool | None:
     """DGE_CHECK_IDS: 1 checks topk_idx's range on the host (one sync per forward on a GPU), 0 never
     does; unset (the default) checks on the host for CPU tensors only, and leaves GPU tensors to a
     device-side assertion (no sync)."""
-    if not os.environ.get("DGE_CHECK_IDS", "").strip():
+    if not _get("DGE_CHECK_IDS", "").strip():
         return None
     return _flag("DGE_CHECK_IDS")
 
@@ -160,7 +198,7 @@ def ep_timeout_s() -> float:
     """DGE_EP_TIMEOUT_S: seconds a wait of the symmetric-memory exchange spins on a peer's flag
     before it prints which rank waited on which flag of which peer and traps (default 600, NCCL's
     default timeout: ranks may be that far apart at a checkpoint or an evaluation)."""
-    raw = os.environ.get("DGE_EP_TIMEOUT_S", "").strip()
+    raw = _get("DGE_EP_TIMEOUT_S", "").strip()
     if not raw:
         return 600.0
     try:
@@ -183,16 +221,16 @@ def cuda_device_max_connections() -> int:
     """CUDA_DEVICE_MAX_CONNECTIONS (the CUDA driver's, read when the context is created; default 8):
     hardware queues the device's streams share. Ranks emulated on one GPU need one per rank and
     more, or one rank's waiting kernel can hold back another rank's launches in a shared queue."""
-    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    raw = _get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
     return int(raw) if raw.isdigit() else 8
 
 
 def commit_label() -> str | None:
     """DGE_COMMIT: the commit scripts/bench.py writes into its records (for a tree without git history)."""
-    return os.environ.get("DGE_COMMIT") or None
+    return _get("DGE_COMMIT") or None
 
 
 def cuda_home() -> Path | None:
     """CUDA_HOME (or CUDA_PATH): the CUDA toolkit the JIT takes nvcc and headers from."""
-    value = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    value = _get("CUDA_HOME") or _get("CUDA_PATH")
     return Path(value).expanduser() if value else None

@@ -12,9 +12,14 @@ from .reference import swiglu
 from .routing import RoutingMeta, compute_routing_torch
 
 
-def routing(topk_idx: torch.Tensor, num_experts: int, align: int, kernels=None) -> RoutingMeta:
+def routing(topk_idx: torch.Tensor, num_experts: int, align: int, kernels=None, *,
+            assert_ids: bool = False) -> RoutingMeta:
+    """``assert_ids`` (the JIT kernels only): ids outside ``[-1, num_experts)`` fail the routing kernel with
+    a device-side assertion."""
     if kernels is not None:
-        return kernels.routing_metadata(topk_idx, num_experts, align)
+        return kernels.routing_metadata(topk_idx, num_experts, align, assert_ids=assert_ids)
+    if assert_ids:
+        raise ValueError("routing(assert_ids=True) needs the JIT routing kernels")
     return compute_routing_torch(topk_idx, num_experts, align)
 
 

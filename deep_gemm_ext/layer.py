@@ -106,8 +106,10 @@ def _rows_arrived(pending) -> None:
         torch.cuda.current_stream(pending.wait.arrivals.device).wait_event(pending.done)
 
 
-def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
-    """Returns ``(y, saved)``; ``saved`` is the tensor list :func:`backward` takes."""
+def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, *,
+            assert_ids: bool = False):
+    """Returns ``(y, saved)``; ``saved`` is the tensor list :func:`backward` takes. ``assert_ids``: the
+    routing kernel asserts on the device that every id is in ``[-1, E)`` (plan.jit_routing, one rank)."""
     gemms, precision, cdt = plan.gemms, plan.precision, plan.dtype
     pending = None
     if plan.ep_overlap:
@@ -118,7 +120,7 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         x_r, idx_r, w_r, handle = plan.tokens.dispatch(x, topk_idx, topk_weights)
     num_experts = l1_weights.shape[0]
     top_k = idx_r.shape[1]
-    meta = elementwise.routing(idx_r, num_experts, plan.align, plan.routing_kernels)
+    meta = elementwise.routing(idx_r, num_experts, plan.align, plan.routing_kernels, assert_ids=assert_ids)
     if x_r.shape[0] == 0:
         _rows_arrived(pending)
         x_rows = x_r if plan.gather_x else x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt)
@@ -156,9 +158,11 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
 # Backward
 
 
-def _take_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``src[index]`` where ``index >= 0``, 0 where it is -1 (index in ``[-1, len(src))``): -1 reads the
-    appended zero. Three small launches (the zero, the cat, the gather) where a masked gather takes six."""
+def _take_or_zero(src: torch.Tensor, index: torch.Tensor, kernels=None) -> torch.Tensor:
+    """``src[index]`` where ``index >= 0``, 0 where it is -1 (index in ``[-1, len(src))``): one JIT launch
+    for fp32 ``src``, else three torch ones (-1 reads an appended zero; a masked gather takes six)."""
+    if kernels is not None and src.dtype == torch.float32:
+        return kernels.take_or_zero(src.contiguous(), index)
     return torch.cat([src, src.new_zeros(1)])[index]
 
 
@@ -174,7 +178,7 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     if num_rows == 0:  # shapes are static: no sync; also avoids zero-length contractions
         dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(w_rows), handle)
         return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
-    row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot)
+    row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
     if plan.gather_backward:
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
@@ -219,6 +223,6 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
                                              meta.slot_to_row)
         d_l1 = gemms.k_grouped(dh, x_rows, meta, recipe=precision)  # [E, 2I, H]
     del dh
-    d_topk = _take_or_zero(d_row_weight, meta.slot_to_row).view(num_rows, top_k).to(w_rows.dtype)
+    d_topk = _take_or_zero(d_row_weight, meta.slot_to_row, plan.kernels).view(num_rows, top_k).to(w_rows.dtype)
     dx, d_topk = plan.tokens.dispatch_backward(dx_r, d_topk, handle)
     return dx, d_topk, d_l1.to(l1_weights.dtype), d_l2.to(l2_weights.dtype)

@@ -48,6 +48,11 @@ def _forward(p: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activat
     if p.check_ids or not topk_idx.is_cuda:
         check_expert_ids(topk_idx, num_experts, host_check=p.check_ids)
         return layer.forward(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
+    if p.jit_routing and not p.exchanges_tokens:
+        # The routing's histogram kernel reads every id anyway: it asserts on the device (no launch of
+        # its own, no host work).
+        return layer.forward(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp,
+                             assert_ids=True)
     # The device-side assertion goes in after the forward's kernels, off the path to the first GEMM:
     # the routing and the exchanges treat out-of-range ids as unused slots meanwhile (nothing reads
     # out of bounds), and the assertion still fails the step.

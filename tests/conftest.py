@@ -14,6 +14,17 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs an SM90 (Hopper) GPU")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test resolves its own plans: one that replaced a provider's attribute leaves no plan made
+    from it to the next (deep_gemm_ext.plan caches resolutions)."""
+    from deep_gemm_ext import plan
+
+    plan.clear_cache()
+    yield
+    plan.clear_cache()
+
+
 def _modules_load_eagerly() -> bool:
     """Whether the CUDA driver of this process loads modules eagerly (fixed when CUDA started)."""
     if not HAS_CUDA:

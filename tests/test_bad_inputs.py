@@ -431,6 +431,20 @@ print("NO ERROR")
 
 
 @requires_cuda
+def test_gpu_device_side_id_check_names_the_slot():
+    """The routing kernel's check (the default on a GPU) prints which flattened slot holds which id."""
+    r = _child(_GPU_ARGS + """
+idx[5, 2] = -7
+dge.mega_moe_train(x, idx, w, l1, l2)
+torch.cuda.synchronize()
+print("NO ERROR")
+""", env={"DGE_CHECK_IDS": ""})
+    assert "NO ERROR" not in r.stdout, "an out-of-range id went through without any error"
+    assert "topk_idx holds ids outside [-1, 8): topk_idx.view(-1)[22] = -7" in r.stdout + r.stderr, \
+        (r.stdout[-2000:], r.stderr[-2000:])
+
+
+@requires_cuda
 def test_gpu_misaligned_input_fails_cleanly_or_computes():
     """A contiguous view at a 2-byte offset (not 16-byte aligned): the layer must either compute the
     right answer or raise a Python exception that leaves the CUDA context usable; never a sticky

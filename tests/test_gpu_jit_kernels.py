@@ -63,6 +63,35 @@ def test_routing_small_and_odd(num_tokens, align):
     _assert_routing_equal(idx, 32, align)
 
 
+@pytest.mark.parametrize("n_src,n", [(0, 5), (1, 1), (777, 4096), (139264, 131072)])
+def test_take_or_zero(n_src, n):
+    """out[i] = src[index[i]], 0 where index[i] = -1; NaN and Inf in src travel (they are data)."""
+    from deep_gemm_ext.jit_kernels import take_or_zero
+
+    gen = torch.Generator().manual_seed(n_src + n)
+    src = torch.randn(n_src, generator=gen)
+    if n_src > 2:
+        src[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    index = torch.randint(-1, max(n_src, 1), (n,), generator=gen, dtype=torch.int32) if n_src else \
+        torch.full((n,), -1, dtype=torch.int32)
+    poison_cached_memory(0xFF)  # NaN floats: an element the kernel skipped would show
+    got = take_or_zero(src.to(DEVICE), index.to(DEVICE)).cpu()
+    want = torch.where(index >= 0, src[index.clamp(min=0).long()] if n_src else 0.0, 0.0)
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="index"):
+        take_or_zero(src.to(DEVICE), index.to(DEVICE).long())
+
+
+def test_routing_assert_ids_passes_valid_ids():
+    """assert_ids=True on ids in [-1, E): the same metadata as without."""
+    idx = make_routing(1000, 16, 4, "unused_slots").to(DEVICE)
+    ref = compute_routing_torch(idx, 16, 128)
+    got = routing_metadata(idx, 16, 128, assert_ids=True)
+    for a, b in zip(got.tensors(), ref.tensors()):
+        assert torch.equal(a, b)
+
+
 def test_routing_treats_out_of_range_ids_as_unused():
     idx = torch.randint(-3, 40, (777, 5), device=DEVICE)  # -3, -2 and 32..39 are invalid for E = 32
     idx[0] = torch.tensor([2**40, -(2**40), 31, 0, -1])
@@ -349,6 +378,22 @@ def test_tensor_map_by_value():
         assert torch.equal(out, ref)
 
 
+
+
+def test_a_cached_tensor_map_still_checks_the_storage():
+    """A key encoded before, looked up for a tensor whose storage is smaller than the view (another
+    tensor now at that address, as after a free): refused, not handed out for memory it does not own."""
+    from deep_gemm_ext.jit import tma
+
+    big = torch.zeros(256, 128, device=DEVICE, dtype=torch.bfloat16)
+    jit.make_tma_2d(big, 64, 64)
+    small = torch.zeros(64, 128, device=DEVICE, dtype=torch.bfloat16)
+    # What a free and a reallocation at big's address would leave: big's key with small's address.
+    tma._ENCODED[(small.data_ptr(), small.dtype, 256, 128, 128, 64, 64, 128)] = \
+        tma._ENCODED[(big.data_ptr(), big.dtype, 256, 128, 128, 64, 64, 128)]
+    with pytest.raises(ValueError, match="storage has"):
+        jit.make_tma_2d(small, 64, 64, rows=256)
+    assert jit.make_tma_2d(small, 64, 64).rows == 64
 
 
 def test_tensor_maps_are_encoded_once_per_key(monkeypatch):

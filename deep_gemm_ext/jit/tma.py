@@ -12,7 +12,7 @@ from .driver import check, driver
 _TENSOR_MAP_BYTES = 128
 _TENSOR_MAP_ALIGN = 64
 
-#: Encoded maps by everything the encoding reads (address, dtype, shape, row stride, box, swizzle).
+#: Encoded maps (_Encoded) by everything the encoding reads (address, dtype, shape, row stride, box, swizzle).
 #: A map holds no reference to its memory, only the address: the same key encodes the same 128
 #: bytes whatever tensor lives there now, so a layer's maps (weights, and activations the caching
 #: allocator hands back at the same addresses) are encoded once, not per launch.
@@ -21,19 +21,32 @@ _ENCODED_MAX = 1024
 _ENCODED_LOCK = threading.Lock()
 
 
-class TensorMap:
-    """A 128-byte CUtensorMap in 64-byte aligned host memory; keeps its tensor alive."""
+class _Encoded:
+    """One encoded CUtensorMap: 128 bytes in 64-byte aligned host memory, never written again (the
+    maps of one key share it)."""
 
-    __slots__ = ("_storage", "address", "tensor", "rows", "cols", "box_rows", "box_cols", "swizzle")
+    __slots__ = ("_storage", "address")
 
-    def __init__(self, raw: bytes, tensor: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int,
-                 swizzle: int):
+    def __init__(self, raw: bytes):
         if len(raw) != _TENSOR_MAP_BYTES:
             raise ValueError(f"a CUtensorMap is {_TENSOR_MAP_BYTES} bytes, got {len(raw)}")
         self._storage = (ctypes.c_ubyte * (_TENSOR_MAP_BYTES + _TENSOR_MAP_ALIGN))()
         base = ctypes.addressof(self._storage)
         self.address = (base + _TENSOR_MAP_ALIGN - 1) // _TENSOR_MAP_ALIGN * _TENSOR_MAP_ALIGN
         ctypes.memmove(self.address, raw, _TENSOR_MAP_BYTES)
+
+
+class TensorMap:
+    """A 128-byte CUtensorMap (passed to a kernel by value from ``address``); keeps its tensor alive."""
+
+    __slots__ = ("_encoded", "address", "tensor", "rows", "cols", "box_rows", "box_cols", "swizzle")
+
+    def __init__(self, encoded: "_Encoded | bytes", tensor: torch.Tensor, rows: int, cols: int, box_rows: int,
+                 box_cols: int, swizzle: int):
+        if not isinstance(encoded, _Encoded):
+            encoded = _Encoded(encoded)
+        self._encoded = encoded
+        self.address = encoded.address
         self.tensor = tensor
         self.rows, self.cols = rows, cols
         self.box_rows, self.box_cols = box_rows, box_cols
@@ -80,14 +93,26 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
                          f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
     if tensor.dim() == 0 or tensor.stride(-1) != 1:
         raise ValueError(f"make_tma_2d: the last dimension must be contiguous, got strides {tuple(tensor.stride())}")
+    # A key encoded before passed every check below that the key determines (dtype, sizes, box,
+    # swizzle, the address's alignment); only the storage behind the address is the tensor's own.
+    cols_ = tensor.shape[-1] if cols is None else cols
+    rows_ = (tensor.numel() // cols_ if cols_ else 0) if rows is None else rows
+    stride_ = cols_ if row_stride_elems is None else row_stride_elems
+    key = (tensor.data_ptr(), tensor.dtype, rows_, cols_, stride_, box_rows, box_cols, swizzle)
+    with _ENCODED_LOCK:
+        encoded = _ENCODED.get(key)
+        if encoded is not None:
+            _ENCODED.move_to_end(key)
+    if encoded is not None:
+        elem = tensor.element_size()
+        if (rows_ - 1) * stride_ + cols_ <= tensor.untyped_storage().nbytes() // elem - tensor.storage_offset():
+            return TensorMap(encoded, tensor, rows_, cols_, box_rows, box_cols, swizzle)
     if swizzle not in (0, 32, 64, 128):
         raise ValueError(f"swizzle={swizzle}: expected 0, 32, 64 or 128 (bytes)")
     cuda = driver()
     data_type = _data_type(cuda, tensor.dtype)
     elem = tensor.element_size()
-    cols = tensor.shape[-1] if cols is None else cols
-    rows = (tensor.numel() // cols if cols else 0) if rows is None else rows
-    row_stride_elems = cols if row_stride_elems is None else row_stride_elems
+    rows, cols, row_stride_elems = rows_, cols_, stride_
     if rows < 1 or cols < 1:
         raise ValueError(f"make_tma_2d: rows={rows}, cols={cols}: expected both >= 1")
     if not (1 <= box_rows <= 256 and 1 <= box_cols <= 256):
@@ -108,19 +133,13 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
         raise ValueError(f"make_tma_2d: a [{rows}, {cols}] view with row stride {row_stride_elems} needs "
                          f"{needed} elements, the tensor's storage has {available}")
 
-    key = (tensor.data_ptr(), tensor.dtype, rows, cols, row_stride_elems, box_rows, box_cols, swizzle)
+    encoded = _Encoded(_encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows,
+                               box_cols, swizzle))
     with _ENCODED_LOCK:
-        raw = _ENCODED.get(key)
-        if raw is not None:
-            _ENCODED.move_to_end(key)
-    if raw is None:
-        raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows, box_cols,
-                      swizzle)
-        with _ENCODED_LOCK:
-            _ENCODED[key] = raw
-            if len(_ENCODED) > _ENCODED_MAX:
-                _ENCODED.popitem(last=False)
-    return TensorMap(raw, tensor, rows, cols, box_rows, box_cols, swizzle)
+        _ENCODED[key] = encoded
+        if len(_ENCODED) > _ENCODED_MAX:
+            _ENCODED.popitem(last=False)
+    return TensorMap(encoded, tensor, rows, cols, box_rows, box_cols, swizzle)
 
 
 def _encode(cuda, data_type, address: int, rows: int, cols: int, row_stride_bytes: int, box_rows: int,

@@ -45,10 +45,14 @@ _ZERO_PAST = ("zero_rows_past", _INCLUDE + "template __global__ void dge::zero_r
                                             "(void*, const int*, int, long long, int);\n")
 
 
+_TAKE_OR_ZERO = ("take_or_zero_fp32", _INCLUDE + "template __global__ void dge::take_or_zero_kernel<float>"
+                                                 "(const float*, const int*, float*, long long);\n")
+
+
 @jit.register("gather_combine")
 def configs():
     return [(name, code, False) for name, code in [*_GATHER.values(), *_SCATTER.values(), *_COMBINE.values(),
-                                                    _ZERO_PAST]]
+                                                    _ZERO_PAST, _TAKE_OR_ZERO]]
 
 
 def _grid(rows: int, device) -> tuple[int, int, int]:
@@ -196,4 +200,22 @@ def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         jit.build(*_ZERO_PAST).launch(grid, (_THREADS, 1, 1),
                                       (out, ends, ctypes.c_int32(ends.shape[0]), ctypes.c_int64(rows),
                                        ctypes.c_int32(row_vecs)))
+    return out
+
+
+def take_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[i] = src[index[i]]`` where ``index[i] >= 0``, 0 where it is -1: float32 ``src`` (1-D,
+    contiguous), int32 ``index`` with values in ``[-1, len(src))`` (routing maps; not checked on the host,
+    which would synchronise)."""
+    _check_cuda("src", src)
+    if src.dtype != torch.float32 or src.dim() != 1 or not src.is_contiguous():
+        raise ValueError(f"src: expected a contiguous 1-D float32 tensor, got {src.dtype} {tuple(src.shape)}")
+    _check_index("index", index, src.device)
+    out = torch.empty(index.shape[0], dtype=torch.float32, device=src.device)
+    n = index.shape[0]
+    if n == 0:
+        return out
+    grid = (max(1, min(-(-n // _THREADS), jit.num_sms(src.device) * 4)), 1, 1)
+    with jit.device_guard(src):
+        jit.build(*_TAKE_OR_ZERO).launch(grid, (_THREADS, 1, 1), (src, index, out, ctypes.c_int64(n)))
     return out

@@ -22,7 +22,7 @@ MAX_EXPERTS = 4096
 
 def _histogram_code(index_type: str) -> str:
     return _INCLUDE + (f"template __global__ void dge::moe_routing_histogram_kernel<{index_type}>"
-                       f"(const {index_type}*, int, int, int, int*);\n")
+                       f"(const {index_type}*, int, int, int, int*, int);\n")
 
 
 def _scan_code() -> str:
@@ -54,8 +54,11 @@ def chunking(num_slots: int) -> tuple[int, int]:
     return chunk, max(1, -(-num_slots // chunk))
 
 
-def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int) -> RoutingMeta:
-    """Counts, aligned starts/ends and both slot<->row maps of ``topk_idx [T, K]``; no host sync."""
+def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int, *,
+                     assert_ids: bool = False) -> RoutingMeta:
+    """Counts, aligned starts/ends and both slot<->row maps of ``topk_idx [T, K]``; no host sync.
+    Ids outside ``[0, num_experts)`` are unused slots; with ``assert_ids`` one outside ``[-1, num_experts)``
+    also fails the histogram kernel with a device-side assertion (the check the layer makes on a GPU)."""
     if not isinstance(topk_idx, torch.Tensor) or not topk_idx.is_cuda:
         raise ValueError(f"topk_idx: expected a CUDA tensor, got "
                          f"{topk_idx.device if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
@@ -86,7 +89,8 @@ def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int) -> Ro
     with jit.device_guard(ids):
         jit.build(*_HISTOGRAM[ids.dtype]).launch(
             (num_chunks, 1, 1), (_THREADS, 1, 1),
-            (ids, i32(num_slots), i32(num_experts), i32(chunk), chunk_counts), smem=4 * num_experts)
+            (ids, i32(num_slots), i32(num_experts), i32(chunk), chunk_counts, i32(1 if assert_ids else 0)),
+            smem=4 * num_experts)
         jit.build(*_SCAN).launch(
             (-(-num_experts // _SCAN_WARPS), 1, 1), (_SCAN_WARPS * 32, 1, 1),
             (chunk_counts, i32(num_chunks), i32(num_experts), counts))

@@ -24,6 +24,7 @@ for experts without rows. ``starts``/``ends`` stay on the device: nothing here s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -410,6 +411,9 @@ class GemmConfig:
 #: GemmConfig -> its kernel / its argument declarations (configurations are frozen and hashable).
 _CONFIG_KERNELS: dict = {}
 _CONFIG_ARGS: dict = {}
+
+#: GemmConfig(...) of the launchers, one instance per argument list: its checks run once, not per launch.
+cached_config = functools.lru_cache(maxsize=1024)(GemmConfig)
 
 
 def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False, schedule: str = "cooperative") -> None:
@@ -848,10 +852,10 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     _check_await_source(gather, a, layout)
     a = _gather_operand("a", a, gather)
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
-    config = GemmConfig(layout, block_n, paired_n, epilogue=epilogue,
-                        gather_a=gather.mode if gather is not None else None, schedule=schedule, cluster_n=cluster_n,
-                        epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule),
-                        await_rows=_await_of(gather) is not None)
+    config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
+                           gather_a=gather.mode if gather is not None else None, schedule=schedule,
+                           cluster_n=cluster_n, epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule),
+                           await_rows=_await_of(gather) is not None)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
@@ -943,9 +947,9 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     if rows == 0:
         return out.zero_()
     block_n = select_tile(n, schedule=schedule).block_n
-    config = GemmConfig("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
-                        gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n,
-                        epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
+    config = cached_config("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
+                           gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n,
+                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
     a = _gather_operand("a", a, gather_a, cp_async_only=True)
     b = _gather_operand("b", b, gather_b, cp_async_only=True)
     with jit.device_guard(a):

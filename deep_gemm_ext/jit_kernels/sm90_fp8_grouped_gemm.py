@@ -44,7 +44,7 @@ from .. import jit
 from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_BLOCK_NS, FP8_MAINLOOPS, GemmConfig, Scatter,
                                      _check_cluster, _check_expert_weight, _check_inputs, _check_multiple, _check_out,
                                      _check_scatter, _check_tensor, _launch, _store_or_scatter_args,
-                                     fp8_static_k_stages)
+                                     cached_config, fp8_static_k_stages)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -166,8 +166,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
-    config = GemmConfig("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
-                        cluster_n=cluster_n)
+    config = cached_config("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
+                           cluster_n=cluster_n)
     if static_k:
         config = _static_k_config(config, k)
     with jit.device_guard(a_q):

@@ -22,12 +22,23 @@ __device__ __forceinline__ int routed_expert(const IdxT* __restrict__ topk_idx, 
     return (id >= 0 && id < static_cast<IdxT>(num_experts)) ? static_cast<int>(id) : -1;
 }
 
+// The device-side check of the ids (the layer's default on a GPU, where the host check would cost a
+// sync): an id outside [-1, E) fails the kernel with a device-side assertion, after printing which
+// slot of the flattened topk_idx holds what. The routing's outputs stay in bounds either way.
+template <typename IdxT>
+__device__ __noinline__ void routing_bad_id(int slot, IdxT id, int num_experts) {
+    printf("deep_gemm_ext: topk_idx holds ids outside [-1, %d): topk_idx.view(-1)[%d] = %lld\n", num_experts, slot,
+           static_cast<long long>(id));
+    assert(!"topk_idx holds ids outside [-1, num_experts)");
+}
+
 // Slots are read 32 consecutive ids per warp step (one 128-byte line for int32): ranking must
-// follow slot order across lanes, which rules out several ids per lane.
+// follow slot order across lanes, which rules out several ids per lane. ``assert_ids``: the check
+// above (the ids are read here anyway; the other two launches need not repeat it).
 template <typename IdxT>
 __global__ void __launch_bounds__(kRoutingThreads)
 moe_routing_histogram_kernel(const IdxT* __restrict__ topk_idx, int num_slots, int num_experts, int chunk,
-                             int* __restrict__ chunk_counts) {
+                             int* __restrict__ chunk_counts, int assert_ids) {
     extern __shared__ int smem_counts[];  // [num_experts]
     grid_dependency_wait();
     for (int e = threadIdx.x; e < num_experts; e += kRoutingThreads)
@@ -37,7 +48,13 @@ moe_routing_histogram_kernel(const IdxT* __restrict__ topk_idx, int num_slots, i
     const int begin = blockIdx.x * chunk;
     const int end = min(begin + chunk, num_slots);
     for (int base = begin + warp_id() * kWarpSize; base < end; base += kRoutingThreads) {
-        const int expert = routed_expert(topk_idx, base + lane_id(), end, num_experts);
+        const int slot = base + lane_id();
+        if (assert_ids && slot < end) {
+            const IdxT id = topk_idx[slot];
+            if (id < static_cast<IdxT>(-1) || id >= static_cast<IdxT>(num_experts))
+                routing_bad_id(slot, id, num_experts);
+        }
+        const int expert = routed_expert(topk_idx, slot, end, num_experts);
         // One shared atomic per distinct expert in the warp: all-on-one-expert stays cheap.
         const u32 peers = __match_any_sync(kFullMask, expert);
         if (expert >= 0 && (peers & lanemask_lt()) == 0)

@@ -1,0 +1,73 @@
+"""The plan's resolution is cached per arguments, valid while the environment variables it read read the
+same (deep_gemm_ext.plan._resolve_encoded, deep_gemm_ext._env.recording)."""
+import pytest
+import torch
+
+from deep_gemm_ext import _env, plan
+
+_ARGS = ("cpu", -1, torch.bfloat16, True, True, True, "auto", "bf16", "local")
+
+
+def _resolve(*args):
+    return plan.Plan.decode(plan._resolve_encoded(*(args or _ARGS)))
+
+
+def test_recording_notes_each_variable_read_with_its_raw_value(monkeypatch):
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
+    monkeypatch.delenv("DGE_CHECK_IDS", raising=False)
+    with _env.recording() as reads:
+        assert _env.gemm_schedule() == "pingpong"
+        assert _env.check_ids() is None
+        with _env.recording() as inner:  # nested: the outer recording sees the inner reads too
+            _env.fused_combine()
+    assert reads["DGE_GEMM_SCHEDULE"] == "pingpong" and reads["DGE_CHECK_IDS"] is None
+    assert "DGE_FUSED_COMBINE" in reads and set(inner) == {"DGE_FUSED_COMBINE"}
+    assert _env.unchanged(tuple(reads.items()))
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    assert not _env.unchanged(tuple(reads.items()))
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")  # set where it was unset
+    assert not _env.unchanged(tuple(reads.items()))
+    assert _env._recorded is None  # outside a recording, reads note nothing
+
+
+def test_a_changed_variable_resolves_anew(monkeypatch):
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    monkeypatch.setenv("DGE_CHECK_IDS", "0")
+    monkeypatch.setenv("DGE_FUSED_COMBINE", "1")
+    first = _resolve()
+    assert _resolve() == first and first.gemm_schedule == "cooperative" and not first.check_ids
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
+    assert _resolve().gemm_schedule == "pingpong"
+    monkeypatch.setenv("DGE_CHECK_IDS", "1")
+    assert _resolve().check_ids
+    monkeypatch.delenv("DGE_CHECK_IDS")
+    assert _resolve().check_ids  # unset: the host check on CPU tensors (a "cpu" plan)
+    monkeypatch.setenv("DGE_FUSED_COMBINE", "0")
+    assert not _resolve().combine_epilogue
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    assert _resolve().gemm_schedule == "cooperative"
+
+
+def test_a_bad_value_raises_every_call(monkeypatch):
+    _resolve()
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "sideways")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="DGE_GEMM_SCHEDULE"):
+            _resolve()
+    monkeypatch.delenv("DGE_GEMM_SCHEDULE")
+    assert _resolve().gemm_schedule == "cooperative"
+
+
+def test_a_replaced_provider_choice_resolves_anew(monkeypatch):
+    base = _resolve()
+    monkeypatch.setattr(plan, "choose_provider", lambda device, dtype, facts, backend, recipe: "grouped_mm")
+    assert _resolve().provider == "grouped_mm"
+    monkeypatch.undo()
+    assert _resolve() == base
+
+
+def test_arguments_are_part_of_the_key():
+    assert _resolve(*_ARGS[:7], "fp8", "local").recipe == "fp8"
+    assert _resolve(*_ARGS[:7], "bf16", "local").recipe == "bf16"
+    assert _resolve("cpu", -1, torch.float32, *_ARGS[3:]).compute_dtype == "float32"
