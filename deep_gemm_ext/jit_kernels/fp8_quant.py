@@ -186,6 +186,10 @@ def _grid(kernel, work_ctas: int, device) -> tuple[int, int, int]:
     return (max(1, min(work_ctas, jit.num_sms(device) * resident_ctas_per_sm(kernel))), 1, 1)
 
 
+def _rows(t: torch.Tensor, span: slice | None) -> torch.Tensor:
+    return t if span is None else t[span]
+
+
 def _launch_rows(config, x, data, scale, *, row_to_slot=None, act=None, top_k=1, clamp=math.inf) -> None:
     """Quantize ``data.shape[0]`` rows in launches of at most _MAX_ITEMS tiles."""
     rows, cols = data.shape
@@ -199,10 +203,12 @@ def _launch_rows(config, x, data, scale, *, row_to_slot=None, act=None, top_k=1,
         for start in range(0, rows, chunk):
             stop = min(rows, start + chunk)
             n = stop - start
+            # One launch (the usual case) takes the tensors themselves: a slice is host work per tensor.
+            span = None if n == rows else slice(start, stop)
             args = jit.pack_args(
                 config[0], _ROW_ARGS,
-                x=x if gathered else x[start:stop], row_to_slot=None if not gathered else row_to_slot[start:stop],
-                data=data[start:stop], scale=scale[start:stop], act=None if act is None else act[start:stop],
+                x=x if gathered else _rows(x, span), row_to_slot=None if not gathered else _rows(row_to_slot, span),
+                data=_rows(data, span), scale=_rows(scale, span), act=None if act is None else _rows(act, span),
                 num_rows=n, cols=cols, top_k=top_k, num_tokens=x.shape[0] if gathered else n, clamp=clamp)
             per_cta = _WARPS * 2 * TILES_PER_HALF_WARP
             kernel.launch(_grid(kernel, -(-n * tiles // per_cta), data.device), (_THREADS, 1, 1), args)
