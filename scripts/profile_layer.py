@@ -367,7 +367,27 @@ def cmd_memory(args) -> int:
 # host
 
 
-def _host_step(x, idx, w, l1, l2, dy, device, sync) -> tuple[float, float, float]:
+_BACK_TO_BACK = 4
+
+
+def _back_to_back_ms(x, idx, w, l1, l2, dy, device, sync, recipe: str) -> float:
+    """ms per step of _BACK_TO_BACK steps in a row (each step's host work overlapping the previous
+    one's kernels, as in a training loop): against the idle-start step, what the host exposes."""
+    sync()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(_BACK_TO_BACK):
+        torch.autograd.grad(dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe), (x, w, l1, l2), dy)
+    if device == "cuda":
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / _BACK_TO_BACK
+    return 1e3 * (time.perf_counter() - t0) / _BACK_TO_BACK
+
+
+def _host_step(x, idx, w, l1, l2, dy, device, sync, recipe: str = "bf16") -> tuple[float, float, float]:
     """(step ms, host ms in the forward call, host ms in the backward call) of one step that starts on
     an idle GPU, as a step after a synchronize does."""
     sync()
@@ -375,7 +395,7 @@ def _host_step(x, idx, w, l1, l2, dy, device, sync) -> tuple[float, float, float
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    y = dge.mega_moe_train(x, idx, w, l1, l2)
+    y = dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe)
     t1 = time.perf_counter()
     torch.autograd.grad(y, (x, w, l1, l2), dy)
     t2 = time.perf_counter()
@@ -393,7 +413,7 @@ def cmd_host(args) -> int:
     if device == "cpu" and not args.dry_run:
         print("profile_layer.py host needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
-    shapes = ([("dry-run", 64, 64, 32, 8, 2)] if args.dry_run else
+    shapes = ([("dry-run", 64, 128, 128, 8, 2)] if args.dry_run else  # 128: fp8 blocks
               [(n, WORKLOADS[n].num_tokens, WORKLOADS[n].hidden, WORKLOADS[n].intermediate, WORKLOADS[n].num_experts,
                 WORKLOADS[n].top_k) for n in (args.workload or ["qwen3-30b-a3b-t4096"])])
     rounds, steps = (1, 2) if args.dry_run else (args.rounds, args.steps)
@@ -404,21 +424,30 @@ def cmd_host(args) -> int:
         x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, device=device, dtype=dtype, seed=7)
         dy = torch.randn_like(x)
         samples = {"1": [], "0": []}
+        runs = {"1": [], "0": []}
         for r in range(rounds):  # alternating blocks, so drift hits both settings alike
             for value in (("1", "0") if r % 2 == 0 else ("0", "1")):
                 with environ({"DGE_EAGER_CUSTOM_OP": value}):
                     for _ in range(2):  # not timed: the first steps after a switch
-                        torch.autograd.grad(dge.mega_moe_train(x, idx, w, l1, l2), (x, w, l1, l2), dy)
-                    samples[value] += [_host_step(x, idx, w, l1, l2, dy, device, sync) for _ in range(steps)]
+                        torch.autograd.grad(dge.mega_moe_train(x, idx, w, l1, l2, recipe=args.recipe),
+                                            (x, w, l1, l2), dy)
+                    samples[value] += [_host_step(x, idx, w, l1, l2, dy, device, sync, args.recipe)
+                                       for _ in range(steps)]
+                    runs[value] += [_back_to_back_ms(x, idx, w, l1, l2, dy, device, sync, args.recipe)
+                                    for _ in range(max(1, steps // _BACK_TO_BACK))]
         for value in ("1", "0"):
             cols = list(zip(*samples[value]))
-            rows.append((name, value, *(statistics.median(c) for c in cols)))
-    print(f"\nforward+backward of mega_moe_train on {device}, {rounds * steps} steps per setting "
-          f"({'CUDA events' if device == 'cuda' else 'wall clock'} for the step, the host's clock for the calls)\n")
-    print("| workload | path | step ms | host forward ms | host backward ms |\n|---|---|---|---|---|")
-    for name, value, step_ms, fwd_ms, bwd_ms in rows:
+            rows.append((name, value, statistics.median(cols[0]), statistics.median(runs[value]),
+                         *(statistics.median(c) for c in cols[1:])))
+    print(f"\nforward+backward of mega_moe_train (recipe={args.recipe}) on {device}, {rounds * steps} steps per "
+          f"setting ({'CUDA events' if device == 'cuda' else 'wall clock'} for the steps, the host's clock for the "
+          f"calls); idle start: each step after a synchronize, as scripts/bench.py times it; back to back: "
+          f"{_BACK_TO_BACK} steps in a row per sample\n")
+    print("| workload | path | step ms, idle start | step ms, back to back | host forward ms | host backward ms |\n"
+          "|---|---|---|---|---|---|")
+    for name, value, step_ms, run_ms, fwd_ms, bwd_ms in rows:
         path = "custom ops (DGE_EAGER_CUSTOM_OP=1)" if value == "1" else "autograd.Function (default)"
-        print(f"| {name} | {path} | {step_ms:.3f} | {fwd_ms:.3f} | {bwd_ms:.3f} |")
+        print(f"| {name} | {path} | {step_ms:.3f} | {run_ms:.3f} | {fwd_ms:.3f} | {bwd_ms:.3f} |")
     return 0
 
 
@@ -450,6 +479,7 @@ def main(argv=None) -> int:
                    help="repeatable; default qwen3-30b-a3b-t4096")
     h.add_argument("--rounds", type=int, default=4, help="alternations between the two paths")
     h.add_argument("--steps", type=int, default=10, help="timed steps per path per round")
+    h.add_argument("--recipe", choices=["bf16", "fp8"], default="bf16", help="the layer's recipe")
     h.add_argument("--dry-run", action="store_true", help="a tiny layer, 1 round: checks the script, also on a CPU")
     m = sub.add_parser("memory", help="what is alive at the peak of one forward+backward")
     m.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t16384")

@@ -260,11 +260,19 @@ def test_profile_host_dry_run(capsys, monkeypatch):
     monkeypatch.delenv("DGE_EAGER_CUSTOM_OP", raising=False)
     assert profile_layer.main(["host", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "| workload | path | step ms | host forward ms | host backward ms |" in out
+    assert ("| workload | path | step ms, idle start | step ms, back to back | host forward ms | host backward ms |"
+            in out)
     assert "custom ops (DGE_EAGER_CUSTOM_OP=1)" in out and "autograd.Function (default)" in out
-    assert _last_line(out).count("|") == 6
+    assert _last_line(out).count("|") == 7
+    assert all(float(v) > 0 for v in _last_line(out).strip("|").split("|")[2:])
     import os
     assert "DGE_EAGER_CUSTOM_OP" not in os.environ  # restored
+
+
+def test_profile_host_dry_run_fp8(capsys):
+    assert profile_layer.main(["host", "--dry-run", "--recipe", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe=fp8" in out and _last_line(out).count("|") == 7
 
 
 def test_profile_old_command_line_means_kernels():
