@@ -380,6 +380,33 @@ def test_tensor_map_by_value():
 
 
 
+def test_a_thread_without_a_context_encodes_maps():
+    """A new thread has no current CUDA context (launches on a stream do not need one, so the autograd
+    engine's thread or an emulated rank's may have none when its first GEMM encodes a map)."""
+    import threading
+
+    from deep_gemm_ext.jit import tma
+    from deep_gemm_ext.jit.driver import check, driver
+
+    tma._ENCODED.clear()  # the thread's map must be encoded, not found
+    x = torch.randn(384, 128, device=DEVICE).bfloat16()
+    seen = {}
+
+    def body():
+        try:
+            seen["context before"] = int(check(driver().cuCtxGetCurrent(), "cuCtxGetCurrent"))
+            seen["map"] = jit.make_tma_2d(x, 64, 64, rows=320)  # a key not encoded before in this process
+        except Exception as exc:  # reported below
+            seen["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert "error" not in seen, seen.get("error")
+    assert seen["context before"] == 0, "the new thread had a context already: the test checks nothing"
+    assert seen["map"].raw() == jit.make_tma_2d(x, 64, 64, rows=320).raw()
+
+
 def test_a_cached_tensor_map_still_checks_the_storage():
     """A key encoded before, looked up for a tensor whose storage is smaller than the view (another
     tensor now at that address, as after a free): refused, not handed out for memory it does not own."""

@@ -22,6 +22,16 @@ def check(result, what: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def ensure_context(device: int) -> None:
+    """Make torch's primary context of ``device`` current on this thread. A new thread has none: a
+    launch on a stream still runs (the stream names its context), but context-bound calls such as
+    cuTensorMapEncodeTiled fail with CUDA_ERROR_INVALID_CONTEXT until one is current."""
+    cuda = driver()
+    handle = check(cuda.cuDeviceGet(device), "cuDeviceGet")
+    context = check(cuda.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
+    check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
 def module_loading_mode() -> str:
     """The driver's module loading mode, "EAGER" or "LAZY" (CUDA_MODULE_LOADING as the driver read
     it when it started; setting the variable later changes nothing)."""

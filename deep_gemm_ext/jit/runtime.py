@@ -15,7 +15,7 @@ import threading
 import torch
 
 from . import compiler
-from .driver import check, driver
+from .driver import check, driver, ensure_context
 from .tma import TensorMap
 
 _SCALAR_TYPES = frozenset({ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float})
@@ -30,10 +30,7 @@ def _require_cuda(what: str) -> None:
 
 def _ensure_context(device: int) -> None:
     """Make torch's primary context current on this thread (a new thread may have none yet)."""
-    cuda = driver()
-    handle = check(cuda.cuDeviceGet(device), "cuDeviceGet")
-    context = check(cuda.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
-    check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    ensure_context(device)
 
 
 class _Plan:

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from .driver import check, driver
+from .driver import check, driver, ensure_context
 
 _TENSOR_MAP_BYTES = 128
 _TENSOR_MAP_ALIGN = 64
@@ -133,8 +133,20 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
         raise ValueError(f"make_tma_2d: a [{rows}, {cols}] view with row stride {row_stride_elems} needs "
                          f"{needed} elements, the tensor's storage has {available}")
 
-    encoded = _Encoded(_encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows,
-                               box_cols, swizzle))
+    try:
+        raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows, box_cols,
+                      swizzle)
+    except _ContextMissing:
+        # A thread without a current context (the autograd engine's, an emulated rank's) encodes once it
+        # has torch's; launches do not need one, so nothing before may have made it current.
+        ensure_context(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+        try:
+            raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows,
+                          box_cols, swizzle)
+        except _ContextMissing:
+            raise RuntimeError("cuTensorMapEncodeTiled failed: CUDA_ERROR_INVALID_CONTEXT with the primary "
+                               f"context of {tensor.device} current on this thread") from None
+    encoded = _Encoded(raw)
     with _ENCODED_LOCK:
         _ENCODED[key] = encoded
         if len(_ENCODED) > _ENCODED_MAX:
@@ -142,12 +154,16 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
     return TensorMap(encoded, tensor, rows, cols, box_rows, box_cols, swizzle)
 
 
+class _ContextMissing(Exception):
+    """cuTensorMapEncodeTiled found no current context on this thread."""
+
+
 def _encode(cuda, data_type, address: int, rows: int, cols: int, row_stride_bytes: int, box_rows: int,
             box_cols: int, swizzle: int) -> bytes:
     swizzles = cuda.CUtensorMapSwizzle
     swizzle_mode = {0: swizzles.CU_TENSOR_MAP_SWIZZLE_NONE, 32: swizzles.CU_TENSOR_MAP_SWIZZLE_32B,
                     64: swizzles.CU_TENSOR_MAP_SWIZZLE_64B, 128: swizzles.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle]
-    tensor_map = check(cuda.cuTensorMapEncodeTiled(
+    result = cuda.cuTensorMapEncodeTiled(
         data_type, 2, address,
         [cuda.cuuint64_t(cols), cuda.cuuint64_t(rows)],
         [cuda.cuuint64_t(row_stride_bytes)],
@@ -157,5 +173,8 @@ def _encode(cuda, data_type, address: int, rows: int, cols: int, row_stride_byte
         swizzle_mode,
         cuda.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cuda.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    ), "cuTensorMapEncodeTiled")
+    )
+    if result[0] == cuda.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        raise _ContextMissing()
+    tensor_map = check(result, "cuTensorMapEncodeTiled")
     return ctypes.string_at(tensor_map.getPtr(), _TENSOR_MAP_BYTES)
