@@ -7,32 +7,34 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
-# While recording() is active: every variable a knob read, with the raw value it saw (None: unset).
-_recorded: dict | None = None
+# Per thread, while recording() is active: every variable a knob read, with the raw value it saw
+# (None: unset). Threads resolve plans at once (emulated ranks, the autograd engine's thread).
+_local = threading.local()
 
 
 def _get(name: str, default=None):
-    """``os.environ.get(name, default)``, noted by an active :func:`recording`."""
+    """``os.environ.get(name, default)``, noted by an active :func:`recording` of this thread."""
     raw = os.environ.get(name)
-    if _recorded is not None:
-        _recorded.setdefault(name, raw)
+    recorded = getattr(_local, "recorded", None)
+    if recorded is not None:
+        recorded.setdefault(name, raw)
     return default if raw is None else raw
 
 
 @contextlib.contextmanager
 def recording():
-    """Within: the knobs note the variables they read; yields the dict ``{name: raw value or None}``,
-    complete when the block ends. A decision made from knobs stays valid while :func:`unchanged`
-    says so (deep_gemm_ext.plan caches its resolution this way)."""
-    global _recorded
-    outer, _recorded = _recorded, {}
-    reads = _recorded
+    """Within (on this thread): the knobs note the variables they read; yields the dict ``{name: raw
+    value or None}``, complete when the block ends. A decision made from knobs stays valid while
+    :func:`unchanged` says so (deep_gemm_ext.plan caches its resolution this way)."""
+    outer = getattr(_local, "recorded", None)
+    reads = _local.recorded = {}
     try:
         yield reads
     finally:
-        _recorded = outer
+        _local.recorded = outer
         if outer is not None:
             for name, raw in reads.items():
                 outer.setdefault(name, raw)

@@ -28,7 +28,32 @@ def test_recording_notes_each_variable_read_with_its_raw_value(monkeypatch):
     monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
     monkeypatch.setenv("DGE_CHECK_IDS", "1")  # set where it was unset
     assert not _env.unchanged(tuple(reads.items()))
-    assert _env._recorded is None  # outside a recording, reads note nothing
+    assert getattr(_env._local, "recorded", None) is None  # outside a recording, reads note nothing
+
+
+def test_recordings_of_two_threads_stay_apart(monkeypatch):
+    import threading
+
+    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    inside, go_on = threading.Event(), threading.Event()
+    other = {}
+
+    def thread_body():
+        with _env.recording() as reads:
+            inside.set()
+            go_on.wait(10)
+            _env.check_ids()
+        other.update(reads)
+
+    t = threading.Thread(target=thread_body)
+    t.start()
+    inside.wait(10)
+    with _env.recording() as mine:
+        _env.gemm_schedule()
+        go_on.set()
+        t.join()
+    assert set(mine) == {"DGE_GEMM_SCHEDULE"} and set(other) == {"DGE_CHECK_IDS"}
+    assert getattr(_env._local, "recorded", None) is None
 
 
 def test_a_changed_variable_resolves_anew(monkeypatch):
