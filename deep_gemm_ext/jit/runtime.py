@@ -28,11 +28,6 @@ def _require_cuda(what: str) -> None:
                            f"(torch {torch.__version__})")
 
 
-def _ensure_context(device: int) -> None:
-    """Make torch's primary context current on this thread (a new thread may have none yet)."""
-    ensure_context(device)
-
-
 class _Plan:
     """A reusable launch config for one (grid, block, smem, cluster, pdl, device)."""
 
@@ -247,7 +242,7 @@ class Kernel:
         (err,) = _launch(plan.config, self._function, buffer.address, 0)
         if err != 0:
             if err == _INVALID_CONTEXT:
-                _ensure_context(device)
+                ensure_context(device)
                 (err,) = _launch(plan.config, self._function, buffer.address, 0)
             if err != 0:
                 check((err,), f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem})")

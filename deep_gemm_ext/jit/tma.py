@@ -133,19 +133,9 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
         raise ValueError(f"make_tma_2d: a [{rows}, {cols}] view with row stride {row_stride_elems} needs "
                          f"{needed} elements, the tensor's storage has {available}")
 
-    try:
-        raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows, box_cols,
-                      swizzle)
-    except _ContextMissing:
-        # A thread without a current context (the autograd engine's, an emulated rank's) encodes once it
-        # has torch's; launches do not need one, so nothing before may have made it current.
-        ensure_context(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
-        try:
-            raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows,
-                          box_cols, swizzle)
-        except _ContextMissing:
-            raise RuntimeError("cuTensorMapEncodeTiled failed: CUDA_ERROR_INVALID_CONTEXT with the primary "
-                               f"context of {tensor.device} current on this thread") from None
+    device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    raw = _encode(cuda, data_type, tensor.data_ptr(), rows, cols, row_stride_elems * elem, box_rows, box_cols,
+                  swizzle, device)
     encoded = _Encoded(raw)
     with _ENCODED_LOCK:
         _ENCODED[key] = encoded
@@ -154,27 +144,30 @@ def make_tma_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, *, swizzle: 
     return TensorMap(encoded, tensor, rows, cols, box_rows, box_cols, swizzle)
 
 
-class _ContextMissing(Exception):
-    """cuTensorMapEncodeTiled found no current context on this thread."""
-
-
 def _encode(cuda, data_type, address: int, rows: int, cols: int, row_stride_bytes: int, box_rows: int,
-            box_cols: int, swizzle: int) -> bytes:
+            box_cols: int, swizzle: int, device: int) -> bytes:
     swizzles = cuda.CUtensorMapSwizzle
     swizzle_mode = {0: swizzles.CU_TENSOR_MAP_SWIZZLE_NONE, 32: swizzles.CU_TENSOR_MAP_SWIZZLE_32B,
                     64: swizzles.CU_TENSOR_MAP_SWIZZLE_64B, 128: swizzles.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle]
-    result = cuda.cuTensorMapEncodeTiled(
-        data_type, 2, address,
-        [cuda.cuuint64_t(cols), cuda.cuuint64_t(rows)],
-        [cuda.cuuint64_t(row_stride_bytes)],
-        [cuda.cuuint32_t(box_cols), cuda.cuuint32_t(box_rows)],
-        [cuda.cuuint32_t(1), cuda.cuuint32_t(1)],
-        cuda.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        swizzle_mode,
-        cuda.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cuda.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    )
+
+    def encode():
+        return cuda.cuTensorMapEncodeTiled(
+            data_type, 2, address,
+            [cuda.cuuint64_t(cols), cuda.cuuint64_t(rows)],
+            [cuda.cuuint64_t(row_stride_bytes)],
+            [cuda.cuuint32_t(box_cols), cuda.cuuint32_t(box_rows)],
+            [cuda.cuuint32_t(1), cuda.cuuint32_t(1)],
+            cuda.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle_mode,
+            cuda.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cuda.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+
+    result = encode()
     if result[0] == cuda.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-        raise _ContextMissing()
+        # A thread without a current context (the autograd engine's, an emulated rank's): launches run
+        # on their stream without one, so nothing before may have made torch's current; the encoding needs it.
+        ensure_context(device)
+        result = encode()
     tensor_map = check(result, "cuTensorMapEncodeTiled")
     return ctypes.string_at(tensor_map.getPtr(), _TENSOR_MAP_BYTES)
