@@ -40,6 +40,15 @@ def recording():
                 outer.setdefault(name, raw)
 
 
+def note(reads: tuple) -> None:
+    """Add ``(name, raw value)`` pairs read earlier to this thread's active :func:`recording`, if any
+    (a decision reused from a cache depends on the variables it read when it was made)."""
+    recorded = getattr(_local, "recorded", None)
+    if recorded is not None:
+        for name, raw in reads:
+            recorded.setdefault(name, raw)
+
+
 def unchanged(reads: tuple) -> bool:
     """Whether every ``(name, raw value)`` of a :func:`recording` still reads the same."""
     get = os.environ.get

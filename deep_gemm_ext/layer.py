@@ -178,7 +178,6 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     if num_rows == 0:  # shapes are static: no sync; also avoids zero-length contractions
         dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(w_rows), handle)
         return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
-    row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
     if plan.gather_backward:
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
@@ -187,6 +186,7 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         gather = None
     l2 = precision.expert_weights(l2_weights, cdt)
     if plan.swiglu_epilogues:
+        row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
         # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, <da', act> and act_w.
         dh, d_row_weight, act_w = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather,
                                                   epilogue=SwigluBackward(h, row_weight, activation_clamp))
@@ -200,6 +200,9 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
                                                                meta.slot_to_row))
         da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
         del a_l2
+        # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the
+        # backward arrives, and nothing before it reads them.
+        row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
         if plan.fp8_rows:
             # The SwiGLU backward also quantizes dh for the L1 data gradient (no separate pass).
             dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,

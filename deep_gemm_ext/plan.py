@@ -284,6 +284,43 @@ def clear_cache() -> None:
     """Forget the resolved plans: for code that replaces what the resolution reads at run time other than
     the environment and this module's functions (a provider's class attributes, in tests)."""
     _RESOLVED.clear()
+    _CALLS.clear()
+
+
+# One-rank calls of mega_moe_train by everything their argument checks and plan read of the arguments
+# but the data (type, shape, dtype, device, contiguity of each tensor; recipe, clamp, backend): the checks
+# passed, and the plan, valid while the variables they read read the same.
+_CALLS: dict = {}
+
+
+def call_key(tensors: tuple, recipe, activation_clamp, backend):
+    """The key of a one-rank call (:func:`cached_call`), or None where it is not cached: under
+    torch.compile (a graph's plan is a constant of the graph), the DeepGEMM backend (its availability
+    is not an argument), or arguments that are not what the checks pass."""
+    if backend == "deep_gemm" or torch.compiler.is_compiling():
+        return None
+    try:
+        key = (tuple([(type(t), t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors]),
+               type(recipe), recipe, type(activation_clamp), activation_clamp, type(backend), backend,
+               choose_provider, jit_available, _jit_kernels_module)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def cached_call(key) -> str | None:
+    """The plan of a call whose arguments passed the checks before with this :func:`call_key`, or None."""
+    hit = _CALLS.get(key)
+    if hit is not None and _env.unchanged(hit[0]):
+        return hit[1]
+    return None
+
+
+def remember_call(key, reads: dict, encoded: str) -> None:
+    if len(_CALLS) >= _RESOLVED_MAX:
+        _CALLS.clear()
+    _CALLS[key] = (tuple(reads.items()), encoded)
 
 
 @torch._dynamo.assume_constant_result
@@ -293,6 +330,7 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
     key = (args, choose_provider, jit_available, _jit_kernels_module)
     hit = _RESOLVED.get(key)
     if hit is not None and _env.unchanged(hit[0]):
+        _env.note(hit[0])  # an outer recording (cached_call's) depends on them too
         return hit[1]
     with _env.recording() as reads:
         encoded = _resolve_uncached(*args)

@@ -16,9 +16,9 @@ import torch
 
 from . import compiler
 from .driver import check, driver, ensure_context
+from .args import Layout, compile_positional
 from .tma import TensorMap
 
-_SCALAR_TYPES = frozenset({ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float})
 _MAX_PLANS = 256
 
 
@@ -56,16 +56,17 @@ class _Plan:
 
 
 class _ParamBuffer:
-    """The ``void*[]`` handed to the driver, plus 8-byte slots holding tensor pointers."""
+    """One layout's parameter bytes in 64-byte aligned host memory and the ``void*[]`` pointing into them
+    (written once: a launch copies its bytes in and hands the driver the array)."""
 
-    __slots__ = ("nargs", "params", "address", "pointers", "pointer_addresses")
+    __slots__ = ("layout", "storage", "base", "params", "address")
 
-    def __init__(self, nargs: int):
-        self.nargs = nargs
-        self.params = (ctypes.c_void_p * max(nargs, 1))()
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.storage = (ctypes.c_ubyte * (layout.size + 64))()
+        self.base = (ctypes.addressof(self.storage) + 63) // 64 * 64
+        self.params = (ctypes.c_void_p * max(len(layout.offsets), 1))(*(self.base + o for o in layout.offsets))
         self.address = ctypes.addressof(self.params)
-        self.pointers = [ctypes.c_uint64() for _ in range(nargs)]
-        self.pointer_addresses = [ctypes.addressof(slot) for slot in self.pointers]
 
 
 def _check_dims(label: str, dims) -> tuple[int, int, int]:
@@ -217,26 +218,34 @@ class Kernel:
         if plan is None:
             plan = self._plan(key, grid, block, smem, cluster, pdl, device)
 
-        buffer = getattr(self._buffers, "current", None)
-        if buffer is None or buffer.nargs != len(args):
-            buffer = self._buffers.current = _ParamBuffer(len(args))
-        params = buffer.params
-        for i, arg in enumerate(args):
-            kind = type(arg)
-            if kind is torch.Tensor or (kind not in _SCALAR_TYPES and isinstance(arg, torch.Tensor)):
-                if not arg.is_cuda:
-                    raise ValueError(f"{self.name}: argument {i} is a tensor on {arg.device}, expected a CUDA tensor")
-                buffer.pointers[i].value = arg.data_ptr()
-                params[i] = buffer.pointer_addresses[i]
-            elif kind in _SCALAR_TYPES:
-                params[i] = ctypes.addressof(arg)
-            elif kind is TensorMap:
-                params[i] = arg.address
-            else:
-                raise TypeError(f"{self.name}: argument {i} has type {kind.__name__}; expected torch.Tensor, "
-                                f"jit.TensorMap or one of ctypes c_int32/c_uint32/c_int64/c_uint64/c_float "
-                                f"(plain Python numbers are ambiguous)")
+        kinds = tuple(map(type, args))
+        packer = _POSITIONAL.get(kinds)
+        if packer is None:
+            packer = _positional_packer(self.name, kinds, args)
+        self._launch_bytes(plan, device, packer[0], packer[1](self.name, args), stream, grid, block, smem)
 
+    def launch_bytes(self, grid: tuple[int, int, int], block: tuple[int, int, int], layout: Layout, payload: bytes, *,
+                     smem: int = 0, stream: torch.cuda.Stream | None = None, cluster: tuple[int, int, int] | None = None,
+                     pdl: bool = False) -> None:
+        """:meth:`launch` with the parameters already packed: ``(layout, payload)`` from ``jit.pack_bytes``."""
+        if self._function is None:
+            self._load()
+        device = torch._C._cuda_getDevice()
+        key = (grid, block, smem, cluster, pdl, device, threading.get_ident())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key, grid, block, smem, cluster, pdl, device)
+        self._launch_bytes(plan, device, layout, payload, stream, grid, block, smem)
+
+    def _launch_bytes(self, plan, device, layout, payload, stream, grid, block, smem) -> None:
+        # Per thread and layout: the bytes stay where the driver reads them only until it returns.
+        buffers = self._buffers.__dict__
+        buffer = buffers.get(id(layout))
+        if buffer is None or buffer.layout is not layout:
+            if len(buffers) >= _MAX_PLANS:
+                buffers.clear()
+            buffer = buffers[id(layout)] = _ParamBuffer(layout)
+        ctypes.memmove(buffer.base, payload, layout.size)
         plan.config.hStream = (torch._C._cuda_getCurrentRawStream(device) if stream is None
                                else stream.cuda_stream)
         (err,) = _launch(plan.config, self._function, buffer.address, 0)
@@ -246,6 +255,24 @@ class Kernel:
                 (err,) = _launch(plan.config, self._function, buffer.address, 0)
             if err != 0:
                 check((err,), f"cuLaunchKernelEx({self.name}, grid={grid}, block={block}, smem={smem})")
+
+
+#: Launch-tuple packers by the tuple of argument types (jit.args.compile_positional).
+_POSITIONAL: dict = {}
+
+
+def _positional_packer(name: str, kinds: tuple, args: tuple):
+    packer = compile_positional(kinds)
+    if packer is None:
+        for i, arg in enumerate(args):
+            if compile_positional((type(arg),)) is None:
+                raise TypeError(f"{name}: argument {i} has type {type(arg).__name__}; expected torch.Tensor, "
+                                f"jit.TensorMap or one of ctypes c_int32/c_uint32/c_int64/c_uint64/c_float "
+                                f"(plain Python numbers are ambiguous)")
+    if len(_POSITIONAL) >= 1024:
+        _POSITIONAL.clear()
+    _POSITIONAL[kinds] = packer
+    return packer
 
 
 def _launch(config, function, params, extra):
@@ -333,6 +360,9 @@ def num_sms(device: torch.device | int | None = None) -> int:
 
 def device_guard(tensor: torch.Tensor):
     """A context that makes ``tensor``'s GPU current, free when it already is."""
-    if tensor.device.index == torch._C._cuda_getDevice():
-        return contextlib.nullcontext()
+    if tensor.get_device() == torch._C._cuda_getDevice():
+        return _NO_GUARD
     return torch.cuda.device(tensor.device)
+
+
+_NO_GUARD = contextlib.nullcontext()  # stateless: one serves every call

@@ -25,11 +25,12 @@ class _Encoded:
     """One encoded CUtensorMap: 128 bytes in 64-byte aligned host memory, never written again (the
     maps of one key share it)."""
 
-    __slots__ = ("_storage", "address")
+    __slots__ = ("_storage", "address", "data")
 
     def __init__(self, raw: bytes):
         if len(raw) != _TENSOR_MAP_BYTES:
             raise ValueError(f"a CUtensorMap is {_TENSOR_MAP_BYTES} bytes, got {len(raw)}")
+        self.data = bytes(raw)  # what a launch copies into its parameter buffer
         self._storage = (ctypes.c_ubyte * (_TENSOR_MAP_BYTES + _TENSOR_MAP_ALIGN))()
         base = ctypes.addressof(self._storage)
         self.address = (base + _TENSOR_MAP_ALIGN - 1) // _TENSOR_MAP_ALIGN * _TENSOR_MAP_ALIGN
@@ -39,7 +40,7 @@ class _Encoded:
 class TensorMap:
     """A 128-byte CUtensorMap (passed to a kernel by value from ``address``); keeps its tensor alive."""
 
-    __slots__ = ("_encoded", "address", "tensor", "rows", "cols", "box_rows", "box_cols", "swizzle")
+    __slots__ = ("_encoded", "address", "data", "tensor", "rows", "cols", "box_rows", "box_cols", "swizzle")
 
     def __init__(self, encoded: "_Encoded | bytes", tensor: torch.Tensor, rows: int, cols: int, box_rows: int,
                  box_cols: int, swizzle: int):
@@ -47,6 +48,7 @@ class TensorMap:
             encoded = _Encoded(encoded)
         self._encoded = encoded
         self.address = encoded.address
+        self.data = encoded.data
         self.tensor = tensor
         self.rows, self.cols = rows, cols
         self.box_rows, self.box_cols = box_rows, box_cols

@@ -205,13 +205,13 @@ def _launch_rows(config, x, data, scale, *, row_to_slot=None, act=None, top_k=1,
             n = stop - start
             # One launch (the usual case) takes the tensors themselves: a slice is host work per tensor.
             span = None if n == rows else slice(start, stop)
-            args = jit.pack_args(
+            layout, payload = jit.pack_bytes(
                 config[0], _ROW_ARGS,
                 x=x if gathered else _rows(x, span), row_to_slot=None if not gathered else _rows(row_to_slot, span),
                 data=_rows(data, span), scale=_rows(scale, span), act=None if act is None else _rows(act, span),
                 num_rows=n, cols=cols, top_k=top_k, num_tokens=x.shape[0] if gathered else n, clamp=clamp)
             per_cta = _WARPS * 2 * TILES_PER_HALF_WARP
-            kernel.launch(_grid(kernel, -(-n * tiles // per_cta), data.device), (_THREADS, 1, 1), args)
+            kernel.launch_bytes(_grid(kernel, -(-n * tiles // per_cta), data.device), (_THREADS, 1, 1), layout, payload)
 
 
 def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | None = None,
@@ -302,7 +302,7 @@ def quantize_cols_fp8(x: torch.Tensor, *, out: torch.Tensor | None = None,
         for start in range(0, rows, chunk):
             stop = min(rows, start + chunk)
             blocks = num_blocks(stop - start) * col_blocks
-            kernel.launch(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), jit.pack_args(
+            kernel.launch_bytes(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), *jit.pack_bytes(
                 _COLS[0], _COL_ARGS, x=x[start:stop], data=data[start:stop],
                 scale=scale[start // FP8_BLOCK:num_blocks(stop)], num_rows=stop - start, cols=cols))
     return data, scale
@@ -354,7 +354,7 @@ def quantize_cols_transposed_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor,
     config = _COLS_T[row_to_slot is not None]
     kernel = jit.build(*config)
     with jit.device_guard(x):
-        kernel.launch(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), jit.pack_args(
+        kernel.launch_bytes(_grid(kernel, blocks, x.device), (_THREADS, 1, 1), *jit.pack_bytes(
             config[0], _COL_T_ARGS, x=x, row_to_slot=row_to_slot, data=data, scale=scale, num_rows=in_rows,
             out_rows=rows, cols=cols, top_k=1 if top_k is None else top_k, num_tokens=x.shape[0]))
     return data, scale
@@ -386,7 +386,7 @@ def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Ten
     config = _SWIGLU_BWD[clamp is not None]
     kernel = jit.build(*config)
     with jit.device_guard(h):
-        kernel.launch(_grid(kernel, -(-rows // _WARPS), h.device), (_THREADS, 1, 1), jit.pack_args(
+        kernel.launch_bytes(_grid(kernel, -(-rows // _WARPS), h.device), (_THREADS, 1, 1), *jit.pack_bytes(
             config[0], _SWIGLU_BWD_ARGS, h=h, da=da, row_weight=row_weight, dh=dh, dweight=dweight, act_w=act_w,
             dh_data=dh_data, dh_scale=dh_scale, num_rows=rows, inter=inter, clamp=c))
     return dh, dweight, act_w, dh_data, dh_scale

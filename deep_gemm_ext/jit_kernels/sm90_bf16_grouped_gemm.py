@@ -580,6 +580,61 @@ def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str 
     return out
 
 
+# Checks passed, by what they read of their arguments (:func:`checks_key`): a launcher called again with
+# arguments of the same types, shapes, dtypes, devices and contiguity skips them (addresses still checked
+# where they matter: alignment, the TMA maps' storage).
+_CHECKED: dict = {}
+_CHECKED_MAX = 1024
+
+
+def _tensor_key(t):
+    return None if t is None else (type(t), t.shape, t.dtype, t.device, t.is_contiguous())
+
+
+def checks_key(*items):
+    """A hashable key of ``items`` (tensors, None, Gather / Scatter without awaited rows, plain values) by
+    everything a launcher's checks read of them but addresses and data, or None where one is something
+    else (the checks then run, and raise)."""
+    parts = []
+    for item in items:
+        if item is None or isinstance(item, torch.Tensor):
+            parts.append(_tensor_key(item))
+        elif type(item) is Scatter:
+            parts.append(("scatter", _tensor_key(item.row_to_slot) if isinstance(item.row_to_slot, torch.Tensor)
+                          else None, type(item.num_slots), item.num_slots,
+                          _tensor_key(item.weights) if isinstance(item.weights, torch.Tensor) or item.weights is None
+                          else None))
+            if parts[-1][1] is None or (item.weights is not None and parts[-1][4] is None):
+                return None
+        elif type(item) is Gather:
+            if len(item) > 3 and item.await_rows is not None or not isinstance(item.row_to_slot, torch.Tensor):
+                return None
+            parts.append(("gather", _tensor_key(item.row_to_slot), type(item.top_k), item.top_k, item.mode))
+        elif isinstance(item, (Gather, Scatter, tuple, list, dict, set)):
+            return None
+        else:
+            parts.append((type(item), item))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def checked(key, check):
+    """``check()``'s result, from the cache when its key passed before (``key`` None: always run)."""
+    if key is None:
+        return check()
+    hit = _CHECKED.get(key)
+    if hit is None:
+        hit = check()
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[key] = hit
+    return hit
+
+
 # -- launch -----------------------------------------------------------------------------------------------
 
 
@@ -781,10 +836,10 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
         print(f"[deep_gemm_ext] {config.name}: M={shape_m} N={shape_n} K={shape_k} block_n={config.block_n} "
               f"stages={config.stages} grid={grid[0]} cluster={config.cluster_n} tiles<={max_tiles} smem={smem}",
               file=sys.stderr, flush=True)
-    args = jit.pack_args(kernel.name, config.launch_args(), starts=starts, ends=ends, num_experts=starts.shape[0],
-                         shape_m=shape_m, shape_n=shape_n, shape_k=shape_k, **gather_args, tma_a=a_map,
-                         tma_b=b_map, **(mainloop_args or {}), **epi_args)
-    kernel.launch(grid, (_THREADS, 1, 1), args, smem=smem, cluster=cluster)
+    layout, payload = jit.pack_bytes(kernel.name, config.launch_args(), starts=starts, ends=ends,
+                                     num_experts=starts.shape[0], shape_m=shape_m, shape_n=shape_n, shape_k=shape_k,
+                                     **gather_args, tma_a=a_map, tma_b=b_map, **(mainloop_args or {}), **epi_args)
+    kernel.launch_bytes(grid, (_THREADS, 1, 1), layout, payload, smem=smem, cluster=cluster)
 
 
 def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None, *, cp_async_only: bool = False):
@@ -822,6 +877,29 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
                scatter: Scatter | None = None, schedule: str = "cooperative", cluster_n: int = 1,
                epilogue_buffers: int = 2) -> torch.Tensor:
+    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n,
+                     epilogue_buffers)
+    num_experts, k, rows, n, block_n, config = checked(key, lambda: _m_grouped_checks(
+        layout, a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n, epilogue_buffers))
+    if out is None:
+        out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
+    if config is None:  # nothing to compute
+        return out
+    _check_await_source(gather, a, layout)
+    a = _gather_operand("a", a, gather)
+    with jit.device_guard(a):
+        b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
+                 else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
+        num_n_blocks = n // block_n if paired_n else -(-n // block_n)
+        epi_args = _store_or_scatter_args(out, scatter, rows, n)
+        _launch(config, a, b_map, epi_args, starts, ends, rows, n, k, -(-rows // _BLOCK_M) * num_n_blocks, gather)
+    return out
+
+
+def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n,
+                      epilogue_buffers):
+    """Every check of :func:`_m_grouped` that its key settles; ``(E, K, rows, N, block_n, config)``,
+    config None when there is nothing to compute."""
     _check_schedule(schedule)
     _check_epilogue_buffers(epilogue_buffers)
     _check_gather(gather)
@@ -837,7 +915,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         experts_b, k_b, n = b.shape
     _check_expert_weight("b", b, experts_b, k_b, num_experts, k, "K", "a", a)
     _check_scatter(scatter, rows, a.device)
-    out = _check_out(out, (rows if scatter is None else scatter.num_slots, n), a.device)
+    if out is not None:
+        _check_out(out, (rows if scatter is None else scatter.num_slots, n), a.device)
     _check_multiple("K", k, 8, "16-byte rows for TMA")
     _check_multiple("N", n, 8, "16-byte rows for TMA")
     if layout == "nn":
@@ -846,23 +925,15 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         _check_multiple("N", n, 256, "paired N tiling pairs columns j and N/2 + j in 256-wide tiles")
     block_n = select_tile(n, schedule=schedule, divides=paired_n).block_n
     if rows == 0 or num_experts == 0 or n == 0:
-        return out
+        return num_experts, k, rows, n, block_n, None
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
-    _check_await_source(gather, a, layout)
-    a = _gather_operand("a", a, gather)
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, schedule=schedule,
                            cluster_n=cluster_n, epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule),
                            await_rows=_await_of(gather) is not None)
-    with jit.device_guard(a):
-        b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
-                 else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
-        num_n_blocks = n // block_n if paired_n else -(-n // block_n)
-        epi_args = _store_or_scatter_args(out, scatter, rows, n)
-        _launch(config, a, b_map, epi_args, starts, ends, rows, n, k, -(-rows // _BLOCK_M) * num_n_blocks, gather)
-    return out
+    return num_experts, k, rows, n, block_n, config
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
@@ -916,6 +987,29 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     cluster (CLUSTER_SIZES; 2 pairs adjacent M blocks of one expert, sharing B, without gathers).
     ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
+    key = checks_key("k", a, b, starts, ends, out, gather_a, gather_b, schedule, cluster_n, epilogue_buffers)
+    num_experts, rows, m, n, block_n, config = checked(key, lambda: _k_grouped_checks(
+        a, b, starts, ends, out, gather_a, gather_b, schedule, cluster_n, epilogue_buffers))
+    if out is None:
+        out = torch.empty((num_experts, m, n), dtype=torch.bfloat16, device=a.device)
+    if num_experts == 0 or m == 0 or n == 0:
+        return out
+    if rows == 0:
+        return out.zero_()
+    gather = gather_a if gather_a is not None else gather_b
+    a = _gather_operand("a", a, gather_a, cp_async_only=True)
+    b = _gather_operand("b", b, gather_b, cp_async_only=True)
+    with jit.device_guard(a):
+        _launch(config, a, jit.make_tma_2d(b, 64, 64), dict(tma_c=jit.make_tma_2d(out, 64, 64, rows=num_experts * m,
+                                                                                  cols=n)),
+                starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n), gather,
+                gather_src=b if gather_b is not None else a)
+    return out
+
+
+def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, schedule, cluster_n, epilogue_buffers):
+    """Every check of :func:`k_grouped_bf16_gemm_tn_contiguous` that its key settles;
+    ``(E, rows, M, N, block_n, config)``, config None when there is nothing to compute."""
     _check_schedule(schedule)
     _check_epilogue_buffers(epilogue_buffers)
     if gather_a is not None and gather_b is not None:
@@ -939,25 +1033,17 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
             raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like a {tuple(a.shape)}")
     m = a.shape[1]
     n = b.shape[1]
-    out = _check_out(out, (num_experts, m, n), a.device)
+    if out is not None:
+        _check_out(out, (num_experts, m, n), a.device)
     _check_multiple("M", m, _BLOCK_M, "output tiles of 128 rows must not cross experts")
     _check_multiple("N", n, 8, "16-byte rows for TMA")
-    if num_experts == 0 or m == 0 or n == 0:
-        return out
-    if rows == 0:
-        return out.zero_()
+    if num_experts == 0 or m == 0 or n == 0 or rows == 0:
+        return num_experts, rows, m, n, 0, None
     block_n = select_tile(n, schedule=schedule).block_n
     config = cached_config("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
                            gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n,
                            epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
-    a = _gather_operand("a", a, gather_a, cp_async_only=True)
-    b = _gather_operand("b", b, gather_b, cp_async_only=True)
-    with jit.device_guard(a):
-        _launch(config, a, jit.make_tma_2d(b, 64, 64), dict(tma_c=jit.make_tma_2d(out, 64, 64, rows=num_experts * m,
-                                                                                  cols=n)),
-                starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n), gather,
-                gather_src=b if gather_b is not None else a)
-    return out
+    return num_experts, rows, m, n, block_n, config
 
 
 # -- SwiGLU epilogues -------------------------------------------------------------------------------------

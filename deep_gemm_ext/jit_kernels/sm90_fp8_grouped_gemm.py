@@ -44,7 +44,7 @@ from .. import jit
 from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_BLOCK_NS, FP8_MAINLOOPS, GemmConfig, Scatter,
                                      _check_cluster, _check_expert_weight, _check_inputs, _check_multiple, _check_out,
                                      _check_scatter, _check_tensor, _launch, _store_or_scatter_args,
-                                     cached_config, fp8_static_k_stages)
+                                     cached_config, checked, checks_key, fp8_static_k_stages)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -126,6 +126,24 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     FP8_BLOCK_NS (192: serial mainloop only; each output element's k-block partial sums and promotion
     are those of the 128-wide tile).
     """
+    key = checks_key("fp8 m", a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n)
+    rows, n, k, num_experts, config = checked(key, lambda: _m_grouped_checks(
+        a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n))
+    if out is None:
+        out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16,
+                          device=a_q.device)
+    if config is None:  # nothing to compute
+        return out
+    with jit.device_guard(a_q):
+        b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
+        _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,
+                -(-rows // _BLOCK_M) * -(-n // block_n), mainloop_args=dict(scale_a=sa, scale_b=sb))
+    return out
+
+
+def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n):
+    """Every check of :func:`m_grouped_fp8_gemm_nt_contiguous` that its key settles;
+    ``(rows, N, K, E, config)``, config None when there is nothing to compute."""
     if not isinstance(mainloop, str) or mainloop not in MAINLOOP_SCHEDULES:
         raise ValueError(f"mainloop={mainloop!r}: expected one of {MAINLOOP_SCHEDULES}")
     if isinstance(block_n, bool) or block_n not in FP8_BLOCK_NS:
@@ -160,9 +178,10 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     _check_inputs(a_q, b_q, 3, starts, ends, names=("a_q", "b_q"), dtype=FP8_DTYPE,
                   extra=(("sa", sa, 2, torch.float32), ("sb", sb, 3, torch.float32)))
     _check_scatter(scatter, rows, a_q.device)
-    out = _check_out(out, (rows if scatter is None else scatter.num_slots, n), a_q.device)
+    if out is not None:
+        _check_out(out, (rows if scatter is None else scatter.num_slots, n), a_q.device)
     if rows == 0 or num_experts == 0 or n == 0:
-        return out
+        return rows, n, k, num_experts, None
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
@@ -170,11 +189,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
                            cluster_n=cluster_n)
     if static_k:
         config = _static_k_config(config, k)
-    with jit.device_guard(a_q):
-        b_map = jit.make_tma_2d(b_q, 64, 128, rows=num_experts * n, cols=k)
-        _launch(config, a_q, b_map, _store_or_scatter_args(out, scatter, rows, n), starts, ends, rows, n, k,
-                -(-rows // _BLOCK_M) * -(-n // block_n), mainloop_args=dict(scale_a=sa, scale_b=sb))
-    return out
+    return rows, n, k, num_experts, config
 
 
 def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q: torch.Tensor, sb: torch.Tensor,
