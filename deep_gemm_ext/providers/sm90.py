@@ -89,9 +89,10 @@ class Sm90Provider(GemmProvider):
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g, schedule=self.schedule)
-        out = _unowned_zeroed(a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2]), meta) \
-            if zero_unowned else None
-        return gemm(a, w, meta.starts, meta.ends, out, gather=g, schedule=self.schedule)
+        if zero_unowned:
+            out = a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2])
+            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out, gather=g, schedule=self.schedule), meta)
+        return gemm(a, w, meta.starts, meta.ends, gather=g, schedule=self.schedule)
 
     def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
         k = _kernels
@@ -113,10 +114,10 @@ class Sm90Provider(GemmProvider):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
             return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
                                                     **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], True))
-        out = _unowned_zeroed(a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16), meta) \
-            if zero_unowned else None
-        return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out,
-                                                **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], False))
+        out = a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16) if zero_unowned else None
+        out = k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out,
+                                                 **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], False))
+        return _unowned_zeroed(out, meta) if zero_unowned else out
 
     def k_grouped(self, a, b, meta: RoutingMeta, *, recipe, gather_a=None, gather_b=None):
         if recipe.fp8 and recipe.fp8_wgrad:
@@ -135,7 +136,8 @@ class Sm90Provider(GemmProvider):
 
 def _unowned_zeroed(out: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
     """``out`` with the rows past the last expert's block zeroed (the GEMM writes all the others):
-    a kernel that reads where they start on the device, not a fill of the whole tensor."""
+    a kernel that reads where they start on the device, not a fill of the whole tensor. Launched after
+    the GEMM (the rows are disjoint from the GEMM's), so the GEMM, which the GPU waits for, goes first."""
     return _kernels.zero_rows_past(out, meta.ends)
 
 
