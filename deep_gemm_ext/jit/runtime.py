@@ -1,9 +1,10 @@
 """Load cubins with the CUDA driver API (cuda-python) and launch them on torch's streams.
 
 The launch path is built for small host overhead: the kernel handle, launch configs (one per
-grid/block/smem/cluster/pdl/device combination) and the ``void*`` parameter array are resolved
-once; a warm launch does one dict lookup, writes the argument addresses into the reused array
-and calls ``cuLaunchKernelEx`` with that array's raw address.
+grid/block/smem/cluster/pdl/device combination) and, per parameter layout, a buffer with the ``void*``
+array pointing into it are made once; a warm launch packs its parameters into one byte string (code
+generated per signature, jit.args), copies it into that buffer and calls ``cuLaunchKernelEx`` with the
+array's raw address.
 """
 from __future__ import annotations
 
