@@ -163,3 +163,55 @@ def test_a_cached_call_follows_the_environment(monkeypatch):
     assert plan.cached_call(key) is None  # a variable the plan read changed: resolved again
     dge.mega_moe_train(x, idx, w, l1, l2)
     assert plan.cached_call(key) is not None and plan.cached_call(key) != encoded
+
+
+def _fake_kernel(monkeypatch, seen):
+    """A Kernel whose driver call records what it is handed (no GPU): the function handle, and the bytes
+    behind each of the parameter pointers."""
+    from deep_gemm_ext.jit import runtime
+
+    pytest.importorskip("cuda.bindings.driver")
+    kernel = runtime.Kernel.__new__(runtime.Kernel)
+    kernel.name, kernel._function, kernel._plans, kernel._smem_limit = "fake", "function", {}, {}
+    kernel._buffers = __import__("threading").local()
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+
+    def launch(config, function, params, extra):
+        seen.append((function, params))
+        return (0,)
+
+    monkeypatch.setattr(runtime, "_launch", launch)
+    return kernel
+
+
+def _params(address: int, sizes) -> list[bytes]:
+    pointers = (ctypes.c_void_p * len(sizes)).from_address(address)
+    return [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
+
+
+def test_a_launch_hands_the_driver_each_parameter(monkeypatch):
+    seen = []
+    kernel = _fake_kernel(monkeypatch, seen)
+    x = torch.randn(4).as_subclass(_OnGpu)
+    m = _map(3)
+    for value in (7, 8):  # the second launch reuses the buffer: its bytes are the new ones
+        kernel.launch((1, 1, 1), (32, 1, 1), (x, ctypes.c_int32(-value), m, ctypes.c_uint64(value), ctypes.c_float(0.5)))
+        function, address = seen[-1]
+        got = _params(address, (8, 4, 128, 8, 4))
+        assert function == "function"
+        assert got == [struct.pack("=Q", x.data_ptr()), struct.pack("=i", -value), m.data, struct.pack("=Q", value),
+                       struct.pack("=f", 0.5)]
+    layout, payload = pack_bytes("fake", DECL, a=x, n=5, m=m, f=2.0, o=None, q=9, i=-1,
+                                 raw=torch.zeros(1).as_subclass(_OnGpu))
+    kernel.launch_bytes((1, 1, 1), (32, 1, 1), layout, payload)
+    got = _params(seen[-1][1], (8, 4, 128, 4, 8, 8, 4, 8))
+    assert got[:4] == [struct.pack("=Q", x.data_ptr()), struct.pack("=I", 5), m.data, struct.pack("=f", 2.0)]
+    assert got[4:7] == [struct.pack("=Q", 0), struct.pack("=Q", 9), struct.pack("=i", -1)]
+    with pytest.raises(ValueError, match="fake: 8 bytes of parameters, expected"):
+        kernel.launch_bytes((1, 1, 1), (32, 1, 1), layout, payload[:8])
+    with pytest.raises(TypeError, match="fake: argument 1 has type int"):
+        kernel.launch((1, 1, 1), (32, 1, 1), (x, 3))
+    with pytest.raises(ValueError, match="fake: argument 0 is a tensor on cpu, expected a CUDA tensor"):
+        kernel.launch((1, 1, 1), (32, 1, 1), (torch.zeros(1), ctypes.c_int32(1)))
+    assert len(seen) == 3  # nothing reached the driver from the rejected launches

@@ -209,6 +209,19 @@ class Kernel:
         ``args``: torch.Tensor (device pointer), jit.TensorMap (128-byte CUtensorMap by value) or
         ctypes c_int32/c_uint32/c_int64/c_uint64/c_float; the types must match the kernel signature.
         """
+        kinds = tuple(map(type, args))
+        packer = _POSITIONAL.get(kinds)
+        if packer is None:
+            packer = _positional_packer(self.name, kinds, args)
+        self.launch_bytes(grid, block, packer[0], packer[1](self.name, args), smem=smem, stream=stream, cluster=cluster,
+                          pdl=pdl)
+
+    def launch_bytes(self, grid: tuple[int, int, int], block: tuple[int, int, int], layout: Layout, payload: bytes, *,
+                     smem: int = 0, stream: torch.cuda.Stream | None = None, cluster: tuple[int, int, int] | None = None,
+                     pdl: bool = False) -> None:
+        """:meth:`launch` with the parameters already packed: ``(layout, payload)`` from ``jit.pack_bytes``."""
+        if len(payload) != layout.size:
+            raise ValueError(f"{self.name}: {len(payload)} bytes of parameters, expected {layout.size} (the layout's)")
         if self._function is None:
             self._load()
         device = torch._C._cuda_getDevice()
@@ -218,27 +231,6 @@ class Kernel:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, grid, block, smem, cluster, pdl, device)
-
-        kinds = tuple(map(type, args))
-        packer = _POSITIONAL.get(kinds)
-        if packer is None:
-            packer = _positional_packer(self.name, kinds, args)
-        self._launch_bytes(plan, device, packer[0], packer[1](self.name, args), stream, grid, block, smem)
-
-    def launch_bytes(self, grid: tuple[int, int, int], block: tuple[int, int, int], layout: Layout, payload: bytes, *,
-                     smem: int = 0, stream: torch.cuda.Stream | None = None, cluster: tuple[int, int, int] | None = None,
-                     pdl: bool = False) -> None:
-        """:meth:`launch` with the parameters already packed: ``(layout, payload)`` from ``jit.pack_bytes``."""
-        if self._function is None:
-            self._load()
-        device = torch._C._cuda_getDevice()
-        key = (grid, block, smem, cluster, pdl, device, threading.get_ident())
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(key, grid, block, smem, cluster, pdl, device)
-        self._launch_bytes(plan, device, layout, payload, stream, grid, block, smem)
-
-    def _launch_bytes(self, plan, device, layout, payload, stream, grid, block, smem) -> None:
         # Per thread and layout: the bytes stay where the driver reads them only until it returns.
         buffers = self._buffers.__dict__
         buffer = buffers.get(id(layout))
