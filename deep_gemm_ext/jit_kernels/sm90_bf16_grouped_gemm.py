@@ -600,14 +600,13 @@ def checks_key(*items):
         if item is None or isinstance(item, torch.Tensor):
             parts.append(_tensor_key(item))
         elif type(item) is Scatter:
-            parts.append(("scatter", _tensor_key(item.row_to_slot) if isinstance(item.row_to_slot, torch.Tensor)
-                          else None, type(item.num_slots), item.num_slots,
-                          _tensor_key(item.weights) if isinstance(item.weights, torch.Tensor) or item.weights is None
-                          else None))
-            if parts[-1][1] is None or (item.weights is not None and parts[-1][4] is None):
+            weights = item.weights
+            if not isinstance(item.row_to_slot, torch.Tensor) or not (weights is None or isinstance(weights, torch.Tensor)):
                 return None
+            parts.append(("scatter", _tensor_key(item.row_to_slot), type(item.num_slots), item.num_slots,
+                          _tensor_key(weights)))
         elif type(item) is Gather:
-            if len(item) > 3 and item.await_rows is not None or not isinstance(item.row_to_slot, torch.Tensor):
+            if item.await_rows is not None or not isinstance(item.row_to_slot, torch.Tensor):
                 return None
             parts.append(("gather", _tensor_key(item.row_to_slot), type(item.top_k), item.top_k, item.mode))
         elif isinstance(item, (Gather, Scatter, tuple, list, dict, set)):
