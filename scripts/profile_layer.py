@@ -26,6 +26,13 @@ gradients need about 116 GB): the kernels and host syncs per layer are the same 
 alternating rounds: medians of the step (CUDA events, each step starting on an idle GPU) and of the
 host's time in the forward call and in the backward call.
 
+``launches``: the host's and the GPU's clocks at every JIT launch of one forward+backward that starts
+on an idle GPU (median over ``--steps`` steps): a CUDA event recorded just before each launch reads
+when the stream reached it, so where the GPU's step between two launches equals the host's, the GPU
+waited for the host (the kernels in between had finished); where it is longer, the host was ahead.
+
+    python scripts/profile_layer.py launches [--workload qwen3-30b-a3b-t4096] [--recipe fp8]
+
 ``memory``: the caching allocator's trace of one forward+backward per recipe (after three warm-up
 steps), replayed to the step's peak: the allocated bytes before the step, the peak, and the largest
 blocks alive at the peak with where the package allocated them.
@@ -451,6 +458,67 @@ def cmd_host(args) -> int:
     return 0
 
 
+def _launch_timeline(x, idx, w, l1, l2, dy, recipe: str):
+    """[(phase, name, host µs, gpu µs)] of one step from an idle GPU: every JIT launch, the
+    forward's return and the backward's end, both clocks relative to the call."""
+    from deep_gemm_ext.jit import runtime
+
+    marks = []
+
+    def mark(name):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, time.perf_counter_ns(), event))
+
+    original = runtime.Kernel.launch_bytes
+
+    def launch_bytes(self, *a, **k):
+        mark(self.name)
+        return original(self, *a, **k)
+
+    torch.cuda.synchronize()
+    runtime.Kernel.launch_bytes = launch_bytes
+    try:
+        mark("call")
+        y = dge.mega_moe_train(x, idx, w, l1, l2, recipe=recipe)
+        mark("forward returned")
+        torch.autograd.grad(y, (x, w, l1, l2), dy)
+        mark("backward returned")
+    finally:
+        runtime.Kernel.launch_bytes = original
+    torch.cuda.synchronize()
+    _, h0, e0 = marks[0]
+    return [(name, (h - h0) / 1e3, e0.elapsed_time(e) * 1e3) for name, h, e in marks]
+
+
+def cmd_launches(args) -> int:
+    if not torch.cuda.is_available():
+        print("profile_layer.py launches needs a CUDA GPU", file=sys.stderr)
+        return 2
+    wl = WORKLOADS[args.workload]
+    x, idx, w, l1, l2 = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
+                                    device="cuda", dtype=torch.bfloat16, seed=7)
+    dy = torch.randn_like(x)
+    for _ in range(3):
+        torch.autograd.grad(dge.mega_moe_train(x, idx, w, l1, l2, recipe=args.recipe), (x, w, l1, l2), dy)
+    steps = [_launch_timeline(x, idx, w, l1, l2, dy, args.recipe) for _ in range(args.steps)]
+    names = [[m[0] for m in s] for s in steps]
+    if any(n != names[0] for n in names):
+        print("the steps launched different sequences; the first step's is listed", file=sys.stderr)
+        steps = steps[:1]
+    print(f"\n{args.workload} recipe={args.recipe}: every JIT launch of one forward+backward from an idle GPU, "
+          f"median of {len(steps)} steps; µs since the call on the host's clock and on the GPU's (an event just "
+          f"before the launch); a GPU step no longer than the host's: the GPU waited for the host\n")
+    print("| # | launch | host µs | GPU µs | host step | GPU step |\n|---|---|---|---|---|---|")
+    prev_h = prev_g = 0.0
+    for i, name in enumerate(names[0]):
+        h = statistics.median(s[i][1] for s in steps)
+        g = statistics.median(s[i][2] for s in steps)
+        print(f"| {i} | {name} | {h:.0f} | {g:.0f} | {h - prev_h:.0f} | {g - prev_g:.0f} |")
+        prev_h, prev_g = h, g
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -485,11 +553,16 @@ def main(argv=None) -> int:
     m.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t16384")
     m.add_argument("--recipe", action="append", choices=["bf16", "fp8"], help="repeatable; default both")
     m.add_argument("--rows", type=int, default=12, help="largest blocks listed per recipe")
+    la = sub.add_parser("launches", help="host and GPU clocks at every launch of one step from an idle GPU")
+    la.add_argument("--workload", choices=list(WORKLOADS), default="qwen3-30b-a3b-t4096")
+    la.add_argument("--recipe", choices=["bf16", "fp8"], default="bf16", help="the layer's recipe")
+    la.add_argument("--steps", type=int, default=5, help="steps recorded (the table is their median)")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("kernels", "sync", "host", "memory", "-h", "--help"):
+    if not argv or argv[0] not in ("kernels", "sync", "host", "memory", "launches", "-h", "--help"):
         argv = ["kernels", *argv]  # the command line before the sync measurement existed
     args = p.parse_args(argv)
-    return {"kernels": cmd_kernels, "sync": cmd_sync, "host": cmd_host, "memory": cmd_memory}[args.cmd](args)
+    return {"kernels": cmd_kernels, "sync": cmd_sync, "host": cmd_host, "memory": cmd_memory,
+            "launches": cmd_launches}[args.cmd](args)
 
 
 if __name__ == "__main__":

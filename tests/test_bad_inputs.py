@@ -445,6 +445,23 @@ print("NO ERROR")
 
 
 @requires_cuda
+@pytest.mark.parametrize("launches", [1, 3])
+def test_gpu_routing_kernels_assert_on_bad_ids(launches):
+    """Both routing launch modes' device-side check: the flattened slot and its id, then the assertion."""
+    r = _child(f"""
+from deep_gemm_ext.jit_kernels import routing_metadata
+idx = torch.randint(0, 8, (300, 4), device="cuda")
+idx[250, 3] = 9
+routing_metadata(idx, 8, 128, assert_ids=True, launches={launches})
+torch.cuda.synchronize()
+print("NO ERROR")
+""")
+    assert "NO ERROR" not in r.stdout, "an out-of-range id went through without any error"
+    assert "topk_idx holds ids outside [-1, 8): topk_idx.view(-1)[1003] = 9" in r.stdout + r.stderr, \
+        (r.stdout[-2000:], r.stderr[-2000:])
+
+
+@requires_cuda
 def test_gpu_misaligned_input_fails_cleanly_or_computes():
     """A contiguous view at a 2-byte offset (not 16-byte aligned): the layer must either compute the
     right answer or raise a Python exception that leaves the CUDA context usable; never a sticky

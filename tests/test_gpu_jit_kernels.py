@@ -35,16 +35,42 @@ def prebuilt():
 # -- routing --------------------------------------------------------------------------------------------
 
 
+def _launch_modes(topk_idx: torch.Tensor, num_experts: int) -> list[int]:
+    """Both launch modes where the one-launch kernel applies, else the three launches."""
+    from deep_gemm_ext.jit_kernels.routing import single_launch
+    return [1, 3] if single_launch(topk_idx.numel(), num_experts) else [3]
+
+
 def _assert_routing_equal(topk_idx: torch.Tensor, num_experts: int, align: int) -> None:
     ref = compute_routing_torch(topk_idx, num_experts, align)
-    poison_cached_memory(0xF9)  # ints -101058055: no routing output takes that value
-    got = routing_metadata(topk_idx, num_experts, align)
-    names = ("counts", "starts", "ends", "slot_to_row", "row_to_slot")
-    for name, a, b in zip(names, got.tensors(), ref.tensors()):
-        assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, name
-        mismatch = (a != b).nonzero()
-        assert mismatch.numel() == 0, f"{name}: {mismatch.shape[0]} entries differ, first at {mismatch[:4].tolist()}"
-    assert (got.num_experts, got.top_k, got.align) == (num_experts, topk_idx.shape[1], align)
+    for launches in _launch_modes(topk_idx, num_experts):
+        poison_cached_memory(0xF9)  # ints -101058055: no routing output takes that value
+        got = routing_metadata(topk_idx, num_experts, align, launches=launches)
+        names = ("counts", "starts", "ends", "slot_to_row", "row_to_slot")
+        for name, a, b in zip(names, got.tensors(), ref.tensors()):
+            assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, name
+            mismatch = (a != b).nonzero()
+            assert mismatch.numel() == 0, (f"launches={launches}, {name}: {mismatch.shape[0]} entries differ, first "
+                                           f"at {mismatch[:4].tolist()}")
+        assert (got.num_experts, got.top_k, got.align) == (num_experts, topk_idx.shape[1], align)
+
+
+def test_routing_default_is_one_launch_where_it_fits():
+    from deep_gemm_ext.jit_kernels import routing as r
+    assert r.single_launch(16384 * 8, 128) and r.single_launch(r.CLUSTER_MAX_SLOTS, r.CLUSTER_MAX_EXPERTS)
+    assert not r.single_launch(r.CLUSTER_MAX_SLOTS + 1, 8) and not r.single_launch(8, r.CLUSTER_MAX_EXPERTS + 1)
+    idx = make_routing(64, r.CLUSTER_MAX_EXPERTS + 1, 2, "uniform").to(DEVICE)
+    with pytest.raises(ValueError, match="launches=1"):
+        routing_metadata(idx, r.CLUSTER_MAX_EXPERTS + 1, 128, launches=1)
+    with pytest.raises(ValueError, match="launches=2"):
+        routing_metadata(idx, r.CLUSTER_MAX_EXPERTS + 1, 128, launches=2)
+
+
+@pytest.mark.parametrize("num_experts", [1023, 1024, 1025, 4096])
+def test_routing_many_experts(num_experts):
+    """Either side of the one-launch kernel's expert limit (its shared memory grows with E)."""
+    idx = make_routing(3000, num_experts, 8, "zipf", generator=torch.Generator().manual_seed(num_experts)).to(DEVICE)
+    _assert_routing_equal(idx, num_experts, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
@@ -83,11 +109,12 @@ def test_take_or_zero(n_src, n):
         take_or_zero(src.to(DEVICE), index.to(DEVICE).long())
 
 
-def test_routing_assert_ids_passes_valid_ids():
+@pytest.mark.parametrize("launches", [1, 3])
+def test_routing_assert_ids_passes_valid_ids(launches):
     """assert_ids=True on ids in [-1, E): the same metadata as without."""
     idx = make_routing(1000, 16, 4, "unused_slots").to(DEVICE)
     ref = compute_routing_torch(idx, 16, 128)
-    got = routing_metadata(idx, 16, 128, assert_ids=True)
+    got = routing_metadata(idx, 16, 128, assert_ids=True, launches=launches)
     for a, b in zip(got.tensors(), ref.tensors()):
         assert torch.equal(a, b)
 
@@ -105,13 +132,14 @@ def test_routing_large(num_tokens, num_experts, top_k):
     _assert_routing_equal(idx, num_experts, 128)
 
 
-def test_routing_is_graph_capturable():
+@pytest.mark.parametrize("launches", [1, 3])
+def test_routing_is_graph_capturable(launches):
     idx = make_routing(2048, 64, 8, "uniform").to(DEVICE)
     static = idx.clone()
-    routing_metadata(static, 64, 128)  # warm: compile + load outside the capture
+    routing_metadata(static, 64, 128, launches=launches)  # warm: compile + load outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        meta = routing_metadata(static, 64, 128)
+        meta = routing_metadata(static, 64, 128, launches=launches)
     fresh = make_routing(2048, 64, 8, "zipf").to(DEVICE)
     static.copy_(fresh)
     graph.replay()

@@ -37,14 +37,14 @@ def test_cli_builds_the_routing_kernels(tmp_path):
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _block(result.stdout, "moe_routing")
-    assert {"scan", "histogram_int32", "scatter_int64"} <= set(rows)
+    assert {"scan", "histogram_int32", "scatter_int64", "cluster_int32", "cluster_int64"} <= set(rows)
     entries = sorted(entry.name for entry in (tmp_path / "kernels").iterdir())
-    assert len(entries) == 5
+    assert len(entries) == 7
     for cells in rows.values():
         registers, spills, key = int(cells[1]), cells[2], cells[-1]
         assert 0 < registers <= 255 and spills == "0+0"
         assert len(key) == 8 and sum(entry.rsplit(".", 1)[1].startswith(key) for entry in entries) == 1
-    assert "5/5 configurations OK for sm_90a" in result.stdout
+    assert "7/7 configurations OK for sm_90a" in result.stdout
     assert max(len(line) for line in result.stdout.splitlines()) <= 100
     assert str(tmp_path) not in result.stdout  # paths only with -v
 

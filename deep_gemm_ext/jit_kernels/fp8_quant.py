@@ -32,7 +32,7 @@ import torch
 
 from .. import jit
 from ..jit import KernelArg
-from .gather_combine import gather_rows
+from .gather_combine import MAX_TOP_K, gather_rows
 from .swiglu import _check_backward_args, _check_clamp
 
 FP8_BLOCK = 128
@@ -71,6 +71,16 @@ _SWIGLU_BWD_ARGS = (
     KernelArg("num_rows", "unsigned int"), KernelArg("inter", "unsigned int"), KernelArg("clamp", "float"),
 )
 
+_TOKEN_ROW_ARGS = (
+    KernelArg("x", "const __nv_bfloat16*"), KernelArg("slot_to_row", "const int*"),
+    KernelArg("row_to_slot", "const int*"), KernelArg("data", "unsigned char*"), KernelArg("scale", "float*"),
+    KernelArg("num_tokens", "unsigned int"), KernelArg("cols", "unsigned int"), KernelArg("top_k", "unsigned int"),
+    KernelArg("num_rows", "unsigned int"),
+)
+#: Tiles each half warp of the token-order quantizer holds per step (a Qwen3 hidden row of 16-32 tiles
+#: takes 2-4 steps).
+TOKEN_TILES_PER_HALF_WARP = 4
+
 _SOURCES = {"rows": "kRows", "gather": "kGather", "swiglu": "kSwiglu"}
 
 
@@ -85,6 +95,9 @@ _ROWS = {
     ("swiglu", False): ("fp8_quant_swiglu_plain", _rows_code("swiglu", False)),
     ("swiglu", True): ("fp8_quant_swiglu_clamp", _rows_code("swiglu", True)),
 }
+_TOKEN_ROWS = ("fp8_quant_token_rows",
+               _INCLUDE + (f"template __global__ void dge::quantize_token_rows_kernel<{TOKEN_TILES_PER_HALF_WARP}>"
+                           f"({jit.render_types(_TOKEN_ROW_ARGS)});\n"))
 _COLS = ("fp8_quant_cols", _INCLUDE + (f"template __global__ void dge::quantize_cols_kernel<{COL_ROWS_PER_THREAD}>"
                                         f"({jit.render_types(_COL_ARGS)});\n"))
 
@@ -100,7 +113,8 @@ _SWIGLU_BWD = {clamp: (f"fp8_quant_swiglu_bwd_{'clamp' if clamp else 'plain'}",
 
 @jit.register("fp8_quant")
 def configs():
-    return [(name, code, False) for name, code in [*_ROWS.values(), _COLS, *_COLS_T.values(), *_SWIGLU_BWD.values()]]
+    return [(name, code, False) for name, code in [*_ROWS.values(), _TOKEN_ROWS, _COLS, *_COLS_T.values(),
+                                                   *_SWIGLU_BWD.values()]]
 
 
 def num_blocks(size: int) -> int:
@@ -244,24 +258,55 @@ def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | Non
 def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *,
                            slot_to_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pool ``[P, K]`` whose row r is ``x[row_to_slot[r] // top_k]``, quantized 1x128 along K:
-    ``(data [P, K] e4m3, scale [P, ceil(K/128)] fp32)``. Each of ``x``'s T rows is quantized once
-    (:func:`quantize_rows_fp8`) and its data and scales are gathered (``gather_rows``): a row's tiles
-    do not depend on where it lands, so every used row has the bits of quantizing the gathered bf16
-    pool, from T rows of bf16 reads instead of P. Padding rows (``row_to_slot < 0``) and rows of
-    out-of-range tokens are zero in data and scale (the fused gathering quantizer writes the zero tile's
-    scale there; either way they dequantize to zeros). Where a scale row is not a whole number of
-    16-byte vectors (ceil(K/128) not a multiple of 4) the fused gathering quantizer runs instead.
-    ``slot_to_row``: the gathers run in token order (``gather_rows(slot_to_row=)``), same bits."""
+    ``(data [P, K] e4m3, scale [P, ceil(K/128)] fp32)``. Each of ``x``'s T rows is quantized once: a
+    row's tiles do not depend on where it lands, so every used row has the bits of quantizing the
+    gathered bf16 pool, from T rows of bf16 reads instead of P. Padding rows (``row_to_slot < 0``) and
+    rows of out-of-range tokens are zero in data and scale (they dequantize to zeros).
+
+    ``slot_to_row`` [T * top_k] (the routing's inverse map, top_k <= 32): one launch walks the tokens,
+    quantizes each row once and stores its bytes and scales to the rows of its used slots, then zeroes
+    the rows no slot maps to. Without it, :func:`quantize_rows_fp8` on x and ``gather_rows`` of the data
+    and of the scales (three launches; where a scale row is not a whole number of 16-byte vectors,
+    ceil(K/128) not a multiple of 4, the gathering quantizer, which writes the zero tile's scale on
+    padding rows). Same bits on every used row either way."""
     x = _check_bf16_input("x", x)
     row_to_slot, top_k = _check_gather((row_to_slot, top_k), x.device)
+    if slot_to_row is not None:
+        return _quantize_token_rows(x, row_to_slot, top_k, slot_to_row)
     if num_blocks(x.shape[1]) % 4 or x.shape[0] == 0:
         return quantize_rows_fp8(x, gather=(row_to_slot, top_k))
     data, scale = quantize_rows_fp8(x)
     # Evict-first pool stores: 1.04x (e4m3 rows) and 1.42x (scales) of plain stores at Qwen3-30B T16384
     # (docs/perf-notes.md v21); same bytes.
-    streamed = slot_to_row is None  # evict-first stores pay in the row walk only
-    return (gather_rows(data, row_to_slot, top_k, stream_stores=streamed, slot_to_row=slot_to_row),
-            gather_rows(scale, row_to_slot, top_k, stream_stores=streamed, slot_to_row=slot_to_row))
+    return (gather_rows(data, row_to_slot, top_k, stream_stores=True),
+            gather_rows(scale, row_to_slot, top_k, stream_stores=True))
+
+
+def _quantize_token_rows(x, row_to_slot, top_k, slot_to_row):
+    if not isinstance(slot_to_row, torch.Tensor) or slot_to_row.dtype != torch.int32 or slot_to_row.dim() != 1 \
+            or slot_to_row.device != x.device:
+        raise ValueError(f"slot_to_row is {_describe(slot_to_row)}; expected a 1-D int32 tensor on {x.device}")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"top_k={top_k}: the token-order quantizer holds one slot per lane, at most {MAX_TOP_K}")
+    num_tokens, cols = x.shape
+    if slot_to_row.shape[0] != num_tokens * top_k:
+        raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots, expected T * top_k = {num_tokens} * {top_k} = "
+                         f"{num_tokens * top_k}")
+    rows = row_to_slot.shape[0]
+    if max(num_tokens, rows, cols) >= 2 ** 32:
+        raise ValueError(f"x {tuple(x.shape)} with {rows} pool rows: the token-order quantizer indexes in 32 bits")
+    data = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, num_blocks(cols), dtype=torch.float32, device=x.device)
+    if rows == 0 or cols == 0:
+        return data, scale
+    kernel = jit.build(*_TOKEN_ROWS)
+    layout, payload = jit.pack_bytes(_TOKEN_ROWS[0], _TOKEN_ROW_ARGS, x=x, slot_to_row=slot_to_row.contiguous(),
+                                     row_to_slot=row_to_slot, data=data, scale=scale, num_tokens=num_tokens, cols=cols,
+                                     top_k=top_k, num_rows=rows)
+    work = max(-(-num_tokens // _WARPS), -(-rows // (_WARPS * 32)))
+    with jit.device_guard(x):
+        kernel.launch_bytes(_grid(kernel, work, x.device), (_THREADS, 1, 1), layout, payload)
+    return data, scale
 
 
 def swiglu_forward_fp8(h: torch.Tensor, clamp: float | None = None, *, return_act: bool = False,

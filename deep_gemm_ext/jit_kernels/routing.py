@@ -35,16 +35,31 @@ def _scatter_code(index_type: str) -> str:
                        f"int*);\n")
 
 
+def _cluster_code(index_type: str) -> str:
+    return _INCLUDE + (f"template __global__ void dge::moe_routing_cluster_kernel<{index_type}>"
+                       f"(const {index_type}*, int, int, int, int, int, int*, int*, int*, int*, int*, int);\n")
+
+
 # (name, code) of each launch, rendered once: the warm path hashes no new strings.
 _SCAN = ("moe_routing_scan", _scan_code())
 _HISTOGRAM = {dtype: (f"moe_routing_histogram_{str(dtype)[6:]}", _histogram_code(c))
               for dtype, c in _INDEX_CTYPES.items()}
 _SCATTER = {dtype: (f"moe_routing_scatter_{str(dtype)[6:]}", _scatter_code(c)) for dtype, c in _INDEX_CTYPES.items()}
+_CLUSTER = {dtype: (f"moe_routing_cluster_{str(dtype)[6:]}", _cluster_code(c)) for dtype, c in _INDEX_CTYPES.items()}
+# The one-launch kernel: one cluster of _CLUSTER_CTAS CTAs of _CLUSTER_THREADS threads (moe_routing.cuh), its
+# shared memory (_CLUSTER_WARPS + 4) * E + _CLUSTER_WARPS ints. Up to CLUSTER_MAX_SLOTS slots (T * K) and
+# CLUSTER_MAX_EXPERTS experts; past either the three launches spread the slots over more SMs.
+_CLUSTER_CTAS = 8
+_CLUSTER_THREADS = 1024
+_CLUSTER_WARPS = _CLUSTER_THREADS // 32
+CLUSTER_MAX_SLOTS = 1 << 18
+CLUSTER_MAX_EXPERTS = 1024
 
 
 @jit.register("moe_routing")
 def configs():
-    return [(name, code, False) for name, code in [_SCAN, *_HISTOGRAM.values(), *_SCATTER.values()]]
+    return [(name, code, False) for name, code in [_SCAN, *_HISTOGRAM.values(), *_SCATTER.values(),
+                                                   *_CLUSTER.values()]]
 
 
 def chunking(num_slots: int) -> tuple[int, int]:
@@ -54,11 +69,18 @@ def chunking(num_slots: int) -> tuple[int, int]:
     return chunk, max(1, -(-num_slots // chunk))
 
 
+def single_launch(num_slots: int, num_experts: int) -> bool:
+    """Whether :func:`routing_metadata` takes the one-launch cluster kernel for this size."""
+    return num_slots <= CLUSTER_MAX_SLOTS and num_experts <= CLUSTER_MAX_EXPERTS
+
+
 def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int, *,
-                     assert_ids: bool = False) -> RoutingMeta:
+                     assert_ids: bool = False, launches: int | None = None) -> RoutingMeta:
     """Counts, aligned starts/ends and both slot<->row maps of ``topk_idx [T, K]``; no host sync.
     Ids outside ``[0, num_experts)`` are unused slots; with ``assert_ids`` one outside ``[-1, num_experts)``
-    also fails the histogram kernel with a device-side assertion (the check the layer makes on a GPU)."""
+    also fails the routing kernel with a device-side assertion (the check the layer makes on a GPU).
+    ``launches``: 1 (one cluster kernel; up to CLUSTER_MAX_SLOTS slots and CLUSTER_MAX_EXPERTS experts) or 3
+    (histogram, scan, scatter; any size); by default 1 where it applies. Both give the same bits."""
     if not isinstance(topk_idx, torch.Tensor) or not topk_idx.is_cuda:
         raise ValueError(f"topk_idx: expected a CUDA tensor, got "
                          f"{topk_idx.device if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
@@ -77,15 +99,32 @@ def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int, *,
         raise ValueError(f"topk_idx {tuple(topk_idx.shape)} with {num_experts} experts, align {align}: "
                          f"{num_rows} pool rows exceed the int32 row index")
 
+    fits = single_launch(num_slots, num_experts)
+    if launches is None:
+        launches = 1 if fits else 3
+    elif launches not in (1, 3) or (launches == 1 and not fits):
+        raise ValueError(f"launches={launches!r}: expected None, 3, or 1 for at most {CLUSTER_MAX_SLOTS} slots and "
+                         f"{CLUSTER_MAX_EXPERTS} experts (here {num_slots} and {num_experts})")
+
     device = topk_idx.device
     ids = topk_idx.contiguous()
     new = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
     counts, starts, ends = new(num_experts), new(num_experts), new(num_experts)
     slot_to_row, row_to_slot = new(num_slots), new(num_rows)
+    i32 = ctypes.c_int32
+    if launches == 1:
+        per_cta = -(-num_slots // _CLUSTER_CTAS)
+        chunk = max(_CLUSTER_THREADS, -(-per_cta // _CLUSTER_THREADS) * _CLUSTER_THREADS)
+        with jit.device_guard(ids):
+            jit.build(*_CLUSTER[ids.dtype]).launch(
+                (_CLUSTER_CTAS, 1, 1), (_CLUSTER_THREADS, 1, 1),
+                (ids, i32(num_slots), i32(num_experts), i32(align), i32(chunk), i32(num_rows), counts, starts, ends,
+                 slot_to_row, row_to_slot, i32(1 if assert_ids else 0)),
+                smem=4 * ((_CLUSTER_WARPS + 4) * num_experts + _CLUSTER_WARPS), cluster=(_CLUSTER_CTAS, 1, 1))
+        return RoutingMeta(counts=counts, starts=starts, ends=ends, slot_to_row=slot_to_row, row_to_slot=row_to_slot,
+                           num_experts=num_experts, top_k=top_k, align=align)
     chunk, num_chunks = chunking(num_slots)
     chunk_counts = new(num_experts * num_chunks)
-
-    i32 = ctypes.c_int32
     with jit.device_guard(ids):
         jit.build(*_HISTOGRAM[ids.dtype]).launch(
             (num_chunks, 1, 1), (_THREADS, 1, 1),

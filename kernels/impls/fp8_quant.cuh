@@ -216,6 +216,84 @@ quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict_
     }
 }
 
+// The dispatched pool's rows quantized in token order: a warp reads each token's row once (kTilesPerHalf
+// tiles per half warp per step, loads issued before any reduction), quantizes each tile as
+// quantize_rows_kernel does, and stores its e4m3 bytes and scale to the pool rows of the token's used slots
+// (slot_to_row); then the rows no used slot maps to (row_to_slot < 0, or a slot of a token past num_tokens)
+// get zero data and a zero scale, 32 rows a warp step. Where slot_to_row and row_to_slot are inverse over
+// the used slots (routing metadata), every used row has the bits of quantizing x's row, and every other
+// row the bytes gather_rows writes there. top_k <= 32 (a lane holds one slot's row).
+template <int kTilesPerHalf>
+__global__ void __launch_bounds__(kFp8QuantThreads)
+quantize_token_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict__ slot_to_row,
+                           const int* __restrict__ row_to_slot, unsigned char* __restrict__ data,
+                           float* __restrict__ scale, u32 num_tokens, u32 cols, u32 top_k, u32 num_rows) {
+    grid_dependency_wait();
+    const u32 tiles_per_row = (cols + kFp8Block - 1) / kFp8Block;
+    const int lane = lane_id();
+    const u32 half = static_cast<u32>(lane) / kFp8TileLanes;
+    const u32 vec_col = static_cast<u32>(lane % kFp8TileLanes) * kBf16PerVec;
+    const u32 num_warps = gridDim.x * kFp8QuantWarps;
+    const u32 warp = blockIdx.x * kFp8QuantWarps + warp_id();
+    for (u32 token = warp; token < num_tokens; token += num_warps) {
+        int slot_row = -1;
+        if (static_cast<u32>(lane) < top_k) {
+            const int r = slot_to_row[static_cast<i64>(token) * top_k + lane];
+            slot_row = r >= 0 && static_cast<u32>(r) < num_rows ? r : -1;
+        }
+        const __nv_bfloat16* src = x + static_cast<i64>(token) * cols;
+        for (u32 tile0 = 0; tile0 < tiles_per_row; tile0 += 2 * kTilesPerHalf) {  // uniform across the warp
+            uint4 v[kTilesPerHalf];
+            u32 col[kTilesPerHalf];
+            bool tile_ok[kTilesPerHalf], lane_ok[kTilesPerHalf];
+#pragma unroll
+            for (int j = 0; j < kTilesPerHalf; ++j) {
+                const u32 tile = tile0 + 2 * j + half;
+                tile_ok[j] = tile < tiles_per_row;
+                col[j] = tile * kFp8Block + vec_col;
+                lane_ok[j] = tile_ok[j] && col[j] < cols;
+                v[j] = lane_ok[j] ? load_stream_v4(src + col[j]) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < kTilesPerHalf; ++j) {
+                // Absent lanes hold zeros, which change no amax.
+                u32 amax = half_warp_max(max_of_halves(abs_max_bf16x8(v[j])));
+                if (__any_sync(kFullMask, amax >= kBf16NonFinite))  // a NaN / Inf in the warp's tiles: finite only
+                    amax = half_warp_max(max_of_halves(finite_abs_max_bf16x8(v[j])));
+                const float s = fp8_scale_of(amax);
+                const Fp8Divisor d = fp8_divisor(s);
+                const Fp8Divisor d8[kBf16PerVec] = {d, d, d, d, d, d, d, d};
+                const uint2 bytes = quantize_bf16x8(v[j], d8);
+                const u32 tile = tile0 + 2 * j + half;
+                for (u32 k = 0; k < top_k; ++k) {
+                    const int row = __shfl_sync(kFullMask, slot_row, k);
+                    if (row < 0)
+                        continue;
+                    if (lane_ok[j])
+                        *reinterpret_cast<uint2*>(data + static_cast<i64>(row) * cols + col[j]) = bytes;
+                    if (tile_ok[j] && vec_col == 0)
+                        scale[static_cast<i64>(row) * tiles_per_row + tile] = s;
+                }
+            }
+        }
+    }
+    for (u32 base = warp * kWarpSize; base < num_rows; base += num_warps * kWarpSize) {
+        const u32 r = base + lane;
+        bool unmapped = false;
+        if (r < num_rows) {
+            const int slot = row_to_slot[r];
+            unmapped = slot < 0 || static_cast<u32>(slot) / top_k >= num_tokens;
+        }
+        for (u32 mask = __ballot_sync(kFullMask, unmapped); mask != 0; mask &= mask - 1) {
+            const i64 row = base + __ffs(static_cast<int>(mask)) - 1;
+            for (u32 c = lane * kBf16PerVec; c < cols; c += kWarpSize * kBf16PerVec)
+                *reinterpret_cast<uint2*>(data + row * cols + c) = make_uint2(0, 0);
+            for (u32 t = lane; t < tiles_per_row; t += kWarpSize)
+                scale[row * tiles_per_row + t] = 0.0f;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // SwiGLU backward with dh also quantized 1x128 along its 2I columns (the operand of the L1 data
 // gradient), from the bf16-rounded dh it stores: swiglu_backward_kernel's arithmetic (the same
