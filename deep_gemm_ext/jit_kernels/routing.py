@@ -52,7 +52,7 @@ _CLUSTER = {dtype: (f"moe_routing_cluster_{str(dtype)[6:]}", _cluster_code(c)) f
 _CLUSTER_CTAS = 8
 _CLUSTER_THREADS = 1024
 _CLUSTER_WARPS = _CLUSTER_THREADS // 32
-CLUSTER_MAX_SLOTS = 1 << 18
+CLUSTER_MAX_SLOTS = 1 << 17
 CLUSTER_MAX_EXPERTS = 1024
 
 
