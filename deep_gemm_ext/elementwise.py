@@ -13,11 +13,13 @@ from .routing import RoutingMeta, compute_routing_torch
 
 
 def routing(topk_idx: torch.Tensor, num_experts: int, align: int, kernels=None, *,
-            assert_ids: bool = False) -> RoutingMeta:
+            assert_ids: bool = False, single_launch: bool = True) -> RoutingMeta:
     """``assert_ids`` (the JIT kernels only): ids outside ``[-1, num_experts)`` fail the routing kernel with
-    a device-side assertion."""
+    a device-side assertion. ``single_launch=False``: the JIT kernels' three launches even where the
+    one-launch cluster kernel applies (same bits)."""
     if kernels is not None:
-        return kernels.routing_metadata(topk_idx, num_experts, align, assert_ids=assert_ids)
+        return kernels.routing_metadata(topk_idx, num_experts, align, assert_ids=assert_ids,
+                                        launches=None if single_launch else 3)
     if assert_ids:
         raise ValueError("routing(assert_ids=True) needs the JIT routing kernels")
     return compute_routing_torch(topk_idx, num_experts, align)

@@ -120,7 +120,10 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         x_r, idx_r, w_r, handle = plan.tokens.dispatch(x, topk_idx, topk_weights)
     num_experts = l1_weights.shape[0]
     top_k = idx_r.shape[1]
-    meta = elementwise.routing(idx_r, num_experts, plan.align, plan.routing_kernels, assert_ids=assert_ids)
+    # Under expert parallelism the three launches: a cluster of 8 CTAs must find 8 SMs of one GPC free at
+    # once, which ranks whose kernels wait on each other (emulated on one GPU) need not leave it.
+    meta = elementwise.routing(idx_r, num_experts, plan.align, plan.routing_kernels, assert_ids=assert_ids,
+                               single_launch=not plan.exchanges_tokens)
     if x_r.shape[0] == 0:
         _rows_arrived(pending)
         x_rows = x_r if plan.gather_x else x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt)
