@@ -134,6 +134,16 @@ __device__ __forceinline__ u32 half_warp_max(u32 value) {
     return value;
 }
 
+// The scale of the 1x128 tile a half warp holds (one bf16x8 vector a lane, zeros where absent, which
+// change no amax; all 32 lanes call it: the NaN / Inf test is warp-wide, and a tile without one gets the
+// same amax either way).
+__device__ __forceinline__ float fp8_tile_scale(const uint4& v) {
+    u32 amax = half_warp_max(max_of_halves(abs_max_bf16x8(v)));
+    if (__any_sync(kFullMask, amax >= kBf16NonFinite))  // a NaN / Inf in the warp's tiles: finite only
+        amax = half_warp_max(max_of_halves(finite_abs_max_bf16x8(v)));
+    return fp8_scale_of(amax);
+}
+
 // Half a warp per tile, one 16-byte vector per lane; each warp takes kTilesPerHalf tiles per half
 // per step (their loads issued before any reduction) and warps stride over the row-major list of
 // (row, tile) items, each lane stepping its (row, tile) positions without a division.
@@ -195,11 +205,7 @@ quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict_
         }
 #pragma unroll
         for (int j = 0; j < kTilesPerHalf; ++j) {
-            // Absent lanes hold zeros, which change no amax.
-            u32 amax = half_warp_max(max_of_halves(abs_max_bf16x8(v[j])));
-            if (__any_sync(kFullMask, amax >= kBf16NonFinite))  // a NaN / Inf in the warp's tiles: finite only
-                amax = half_warp_max(max_of_halves(finite_abs_max_bf16x8(v[j])));
-            const float s = fp8_scale_of(amax);
+            const float s = fp8_tile_scale(v[j]);
             const Fp8Divisor d = fp8_divisor(s);
             const Fp8Divisor d8[kBf16PerVec] = {d, d, d, d, d, d, d, d};
             if (lane_ok[j])
@@ -256,11 +262,7 @@ quantize_token_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __res
             }
 #pragma unroll
             for (int j = 0; j < kTilesPerHalf; ++j) {
-                // Absent lanes hold zeros, which change no amax.
-                u32 amax = half_warp_max(max_of_halves(abs_max_bf16x8(v[j])));
-                if (__any_sync(kFullMask, amax >= kBf16NonFinite))  // a NaN / Inf in the warp's tiles: finite only
-                    amax = half_warp_max(max_of_halves(finite_abs_max_bf16x8(v[j])));
-                const float s = fp8_scale_of(amax);
+                const float s = fp8_tile_scale(v[j]);
                 const Fp8Divisor d = fp8_divisor(s);
                 const Fp8Divisor d8[kBf16PerVec] = {d, d, d, d, d, d, d, d};
                 const uint2 bytes = quantize_bf16x8(v[j], d8);
@@ -304,10 +306,7 @@ quantize_token_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __res
 // Quantizes one 1x128 tile held by a half warp (one bf16x8 vector a lane, zeros where !ok; all 32
 // lanes call it): data at `data` (this lane's 8 bytes), the scale at `scale` (by the half's first lane).
 __device__ __forceinline__ void quantize_half_warp_tile(const uint4& v, bool ok, unsigned char* data, float* scale) {
-    u32 amax = half_warp_max(max_of_halves(abs_max_bf16x8(v)));
-    if (__any_sync(kFullMask, amax >= kBf16NonFinite))  // a NaN / Inf in the warp's tiles: finite only
-        amax = half_warp_max(max_of_halves(finite_abs_max_bf16x8(v)));
-    const float s = fp8_scale_of(amax);
+    const float s = fp8_tile_scale(v);
     const Fp8Divisor d = fp8_divisor(s);
     const Fp8Divisor d8[kBf16PerVec] = {d, d, d, d, d, d, d, d};
     if (ok) {

@@ -126,33 +126,36 @@ __device__ __forceinline__ void routing_expert_starts(const int* counts, int num
 // latency each.
 constexpr int kRoutingBatch = 8;
 
-template <typename IdxT>
-__device__ __forceinline__ void routing_load_batch(const IdxT* __restrict__ topk_idx, int base, int end,
-                                                   int num_experts, int (&experts)[kRoutingBatch]) {
+// Walks a warp's slots [begin, end) in slot order, one warp step (32 slots) at a time, calling
+// step(slot, expert, peers) with the lanes of the step that share this lane's expert; all 32 lanes take
+// every step (end is uniform across the warp).
+template <typename IdxT, typename Step>
+__device__ __forceinline__ void routing_warp_steps(const IdxT* __restrict__ topk_idx, int begin, int end,
+                                                   int num_experts, Step&& step) {
+    for (int base = begin; base < end; base += kRoutingBatch * kWarpSize) {
+        int experts[kRoutingBatch];
 #pragma unroll
-    for (int j = 0; j < kRoutingBatch; ++j)
-        experts[j] = routed_expert(topk_idx, base + j * kWarpSize + lane_id(), end, num_experts);
+        for (int j = 0; j < kRoutingBatch; ++j)
+            experts[j] = routed_expert(topk_idx, base + j * kWarpSize + lane_id(), end, num_experts);
+#pragma unroll
+        for (int j = 0; j < kRoutingBatch; ++j) {
+            if (base + j * kWarpSize >= end)
+                break;
+            step(base + j * kWarpSize + lane_id(), experts[j], __match_any_sync(kFullMask, experts[j]));
+        }
+    }
 }
 
 // Per-warp counts of each warp's contiguous sub-chunk [begin, end) into my_rows[num_experts].
 template <typename IdxT>
 __device__ __forceinline__ void routing_warp_counts(const IdxT* __restrict__ topk_idx, int begin, int end,
                                                     int num_experts, int* my_rows) {
-    for (int base = begin; base < end; base += kRoutingBatch * kWarpSize) {
-        int experts[kRoutingBatch];
-        routing_load_batch(topk_idx, base, end, num_experts, experts);
-#pragma unroll
-        for (int j = 0; j < kRoutingBatch; ++j) {
-            if (base + j * kWarpSize >= end)  // warp-uniform
-                break;
-            const int expert = experts[j];
-            const u32 peers = __match_any_sync(kFullMask, expert);
-            if (expert >= 0 && (peers & lanemask_lt()) == 0)
-                my_rows[expert] += __popc(peers);
-            // The next step's leader for this expert may be another lane: order the read-modify-writes.
-            __syncwarp();
-        }
-    }
+    routing_warp_steps(topk_idx, begin, end, num_experts, [&](int, int expert, u32 peers) {
+        if (expert >= 0 && (peers & lanemask_lt()) == 0)
+            my_rows[expert] += __popc(peers);
+        // The next step's leader for this expert may be another lane: order the read-modify-writes.
+        __syncwarp();
+    });
 }
 
 // From the per-warp counts to the scatter and the padding rows: warp_rows[kWarps][E] holds each warp's
@@ -179,30 +182,20 @@ __device__ __forceinline__ void routing_scatter_rows(const IdxT* __restrict__ to
 
     // Scatter in slot order: rank among equal experts of the warp step = lanes below with the same id.
     int* my_rows = warp_rows + warp_id() * num_experts;
-    for (int base = begin; base < end; base += kRoutingBatch * kWarpSize) {
-        int experts[kRoutingBatch];
-        routing_load_batch(topk_idx, base, end, num_experts, experts);
-#pragma unroll
-        for (int j = 0; j < kRoutingBatch; ++j) {
-            if (base + j * kWarpSize >= end)  // warp-uniform
-                break;
-            const int slot = base + j * kWarpSize + lane_id();
-            const int expert = experts[j];
-            const u32 peers = __match_any_sync(kFullMask, expert);
-            const int rank = __popc(peers & lanemask_lt());
-            if (expert >= 0) {
-                const int row = my_rows[expert] + rank;
-                slot_to_row[slot] = row;
-                row_to_slot[row] = slot;
-            } else if (slot < end) {
-                slot_to_row[slot] = -1;
-            }
-            __syncwarp();
-            if (expert >= 0 && rank == 0)
-                my_rows[expert] += __popc(peers);
-            __syncwarp();
+    routing_warp_steps(topk_idx, begin, end, num_experts, [&](int slot, int expert, u32 peers) {
+        const int rank = __popc(peers & lanemask_lt());
+        if (expert >= 0) {
+            const int row = my_rows[expert] + rank;
+            slot_to_row[slot] = row;
+            row_to_slot[row] = slot;
+        } else if (slot < end) {
+            slot_to_row[slot] = -1;
         }
-    }
+        __syncwarp();
+        if (expert >= 0 && rank == 0)
+            my_rows[expert] += __popc(peers);
+        __syncwarp();
+    });
 
     // Padding rows (-1): each expert's tail, then everything past the last expert.
     for (int e = part; e < num_experts; e += parts) {
