@@ -17,7 +17,7 @@ _local = threading.local()
 
 def _get(name: str, default=None):
     """``os.environ.get(name, default)``, noted by an active :func:`recording` of this thread."""
-    raw = os.environ.get(name)
+    raw = _raw(name)
     recorded = getattr(_local, "recorded", None)
     if recorded is not None:
         recorded.setdefault(name, raw)
@@ -51,11 +51,29 @@ def note(reads: tuple) -> None:
 
 def unchanged(reads: tuple) -> bool:
     """Whether every ``(name, raw value)`` of a :func:`recording` still reads the same."""
-    get = os.environ.get
     for name, raw in reads:
-        if get(name) != raw:
+        if _raw(name) != raw:
             return False
     return True
+
+
+_ENCODED_KEYS: dict = {}
+
+
+def _raw(name: str):
+    """``os.environ.get(name)``. Where ``os.environ`` is CPython's mapping over its encoded ``_data``
+    (what ``os.environ[...] = ...`` and ``del`` update), the key is looked up there: ``os.environ.get``
+    of an unset name raises and catches a KeyError inside (~1 µs, and most ``DGE_*`` names are unset),
+    and a cached call checks a dozen names (:func:`unchanged`)."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if type(environ) is not os._Environ or type(data) is not dict:
+        return environ.get(name)
+    key = _ENCODED_KEYS.get(name)
+    if key is None:
+        key = _ENCODED_KEYS[name] = environ.encodekey(name)
+    value = data.get(key)
+    return None if value is None else environ.decodevalue(value)
 
 
 def _flag(name: str, default: bool = False) -> bool:

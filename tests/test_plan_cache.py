@@ -1,5 +1,7 @@
 """The plan's resolution is cached per arguments, valid while the environment variables it read read the
 same (deep_gemm_ext.plan._resolve_encoded, deep_gemm_ext._env.recording)."""
+import os
+
 import pytest
 import torch
 
@@ -96,3 +98,32 @@ def test_arguments_are_part_of_the_key():
     assert _resolve(*_ARGS[:7], "fp8", "local").recipe == "fp8"
     assert _resolve(*_ARGS[:7], "bf16", "local").recipe == "bf16"
     assert _resolve("cpu", -1, torch.float32, *_ARGS[3:]).compute_dtype == "float32"
+
+
+@pytest.mark.parametrize("environ", ["os", "replaced"])
+def test_unchanged_reads_what_os_environ_reads(monkeypatch, environ):
+    """_env.unchanged (the per-call check of a cached call) agrees with os.environ.get on set, unset,
+    empty and changed variables, through CPython's encoded mapping and through a replaced os.environ."""
+    if environ == "replaced":
+        monkeypatch.setattr(os, "environ", dict(os.environ))
+    for name in ("DGE_TEST_A", "DGE_TEST_B", "DGE_TEST_C"):
+        os.environ.pop(name, None)
+    os.environ["DGE_TEST_A"] = "1"
+    os.environ["DGE_TEST_B"] = ""
+    reads = (("DGE_TEST_A", "1"), ("DGE_TEST_B", ""), ("DGE_TEST_C", None))
+    try:
+        assert _env.unchanged(reads) and _env.unchanged(())
+        for name, value in (("DGE_TEST_A", "0"), ("DGE_TEST_B", "x"), ("DGE_TEST_C", ""), ("DGE_TEST_C", "1")):
+            old = os.environ.get(name)
+            os.environ[name] = value
+            assert not _env.unchanged(reads), (name, value)
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+            assert _env.unchanged(reads), (name, old)
+        del os.environ["DGE_TEST_A"]
+        assert not _env.unchanged(reads)
+    finally:
+        for name in ("DGE_TEST_A", "DGE_TEST_B", "DGE_TEST_C"):
+            os.environ.pop(name, None)
