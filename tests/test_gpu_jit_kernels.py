@@ -64,6 +64,8 @@ def test_routing_default_is_one_launch_where_it_fits():
         routing_metadata(idx, r.CLUSTER_MAX_EXPERTS + 1, 128, launches=1)
     with pytest.raises(ValueError, match="launches=2"):
         routing_metadata(idx, r.CLUSTER_MAX_EXPERTS + 1, 128, launches=2)
+    with pytest.raises(ValueError, match="launches=True"):
+        routing_metadata(idx, 8, 128, launches=True)
 
 
 @pytest.mark.parametrize("num_experts", [1023, 1024, 1025, 4096])

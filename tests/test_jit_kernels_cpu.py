@@ -13,6 +13,18 @@ def test_routing_rejects_bad_inputs():
         routing_metadata(torch.zeros(4, 2, dtype=torch.int64), 8, 128)
 
 
+def test_routing_index_range_leaves_room_for_a_stride_past_the_end():
+    """Slots and pool rows below 2^31 - 2^22: a chunk (at most 2^21 slots) or a grid step past the last
+    one still fits an int32; at and past the limit a clear error names both counts."""
+    limit = routing.INDEX_LIMIT
+    assert limit == 2**31 - 2**22
+    assert max(routing.chunking(limit - 1)[0], 1024 * 256) <= 2**31 - limit
+    routing.check_index_range(limit - 1, limit - 1, "x")
+    for slots, rows in ((limit, 0), (0, limit), (2**31 - 1000, 2**31 - 1000)):
+        with pytest.raises(ValueError, match=f"x: {slots} slots and {rows} pool rows"):
+            routing.check_index_range(slots, rows, "x")
+
+
 def test_routing_chunking_is_whole_warp_steps():
     for slots in (0, 1, 2047, 2048, 131072, 300_000, 5_000_000):
         chunk, chunks = routing.chunking(slots)

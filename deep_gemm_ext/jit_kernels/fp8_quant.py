@@ -293,8 +293,9 @@ def _quantize_token_rows(x, row_to_slot, top_k, slot_to_row):
         raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots, expected T * top_k = {num_tokens} * {top_k} = "
                          f"{num_tokens * top_k}")
     rows = row_to_slot.shape[0]
-    if max(num_tokens, rows, cols) >= 2 ** 32:
-        raise ValueError(f"x {tuple(x.shape)} with {rows} pool rows: the token-order quantizer indexes in 32 bits")
+    if max(num_tokens, rows, cols) >= 2 ** 31:
+        raise ValueError(f"x {tuple(x.shape)} with {rows} pool rows: the token-order quantizer takes fewer than 2^31 "
+                         f"tokens, rows and columns (int32 row maps; its grid-stride loops step in 32 bits)")
     data = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, num_blocks(cols), dtype=torch.float32, device=x.device)
     if rows == 0 or cols == 0:

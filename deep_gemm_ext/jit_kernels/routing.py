@@ -69,6 +69,32 @@ def chunking(num_slots: int) -> tuple[int, int]:
     return chunk, max(1, -(-num_slots // chunk))
 
 
+#: Slots and pool rows stay below this: the kernels index both in int32, and a CTA's or a grid's stride
+#: (at most 2^21 slots a chunk, 1024 x 256 rows a grid step) may step past the last one.
+INDEX_LIMIT = 2**31 - 2**22
+
+
+def check_index_range(num_slots: int, num_rows: int, what: str) -> None:
+    if num_slots >= INDEX_LIMIT or num_rows >= INDEX_LIMIT:
+        raise ValueError(f"{what}: {num_slots} slots and {num_rows} pool rows; the routing kernels take fewer than "
+                         f"{INDEX_LIMIT} (2^31 - 2^22) of each (int32 indices with room for a stride past the end)")
+
+
+_RESIDENT: dict = {}
+
+
+def _cluster_resident(topk_idx: torch.Tensor, smem: int) -> bool:
+    """Whether topk_idx's device holds a cluster of the one-launch kernel's CTAs at once (not where an
+    SM-limited context leaves fewer than 8 SMs of one GPC); per device, dtype and shared memory size."""
+    key = (topk_idx.get_device(), topk_idx.dtype, smem)
+    hit = _RESIDENT.get(key)
+    if hit is None:
+        with jit.device_guard(topk_idx):
+            hit = _RESIDENT[key] = jit.build(*_CLUSTER[topk_idx.dtype]).max_active_clusters(
+                (_CLUSTER_CTAS, 1, 1), (_CLUSTER_THREADS, 1, 1), smem) >= 1
+    return hit
+
+
 def single_launch(num_slots: int, num_experts: int) -> bool:
     """Whether :func:`routing_metadata` takes the one-launch cluster kernel for this size."""
     return num_slots <= CLUSTER_MAX_SLOTS and num_experts <= CLUSTER_MAX_EXPERTS
@@ -79,8 +105,9 @@ def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int, *,
     """Counts, aligned starts/ends and both slot<->row maps of ``topk_idx [T, K]``; no host sync.
     Ids outside ``[0, num_experts)`` are unused slots; with ``assert_ids`` one outside ``[-1, num_experts)``
     also fails the routing kernel with a device-side assertion (the check the layer makes on a GPU).
-    ``launches``: 1 (one cluster kernel; up to CLUSTER_MAX_SLOTS slots and CLUSTER_MAX_EXPERTS experts) or 3
-    (histogram, scan, scatter; any size); by default 1 where it applies. Both give the same bits."""
+    ``launches``: 1 (one cluster kernel; up to CLUSTER_MAX_SLOTS slots and CLUSTER_MAX_EXPERTS experts, on a
+    device that holds a cluster of its 8 CTAs) or 3 (histogram, scan, scatter; any size); by default 1 where
+    it applies. Both give the same bits."""
     if not isinstance(topk_idx, torch.Tensor) or not topk_idx.is_cuda:
         raise ValueError(f"topk_idx: expected a CUDA tensor, got "
                          f"{topk_idx.device if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
@@ -95,16 +122,20 @@ def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int, *,
     num_tokens, top_k = topk_idx.shape
     num_slots = num_tokens * top_k
     num_rows = pool_rows(num_slots, num_experts, align)
-    if num_rows >= 2**31:
-        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} with {num_experts} experts, align {align}: "
-                         f"{num_rows} pool rows exceed the int32 row index")
-
+    check_index_range(num_slots, num_rows, f"topk_idx {tuple(topk_idx.shape)} with {num_experts} experts, "
+                                           f"align {align}")
+    if launches is not None and (isinstance(launches, bool) or launches not in (1, 3)):
+        raise ValueError(f"launches={launches!r}: expected None, 1 or 3")
+    smem = 4 * ((_CLUSTER_WARPS + 4) * num_experts + _CLUSTER_WARPS)
     fits = single_launch(num_slots, num_experts)
+    if fits and launches != 3:
+        fits = _cluster_resident(topk_idx, smem)
     if launches is None:
         launches = 1 if fits else 3
-    elif launches not in (1, 3) or (launches == 1 and not fits):
-        raise ValueError(f"launches={launches!r}: expected None, 3, or 1 for at most {CLUSTER_MAX_SLOTS} slots and "
-                         f"{CLUSTER_MAX_EXPERTS} experts (here {num_slots} and {num_experts})")
+    elif launches == 1 and not fits:
+        raise ValueError(f"launches=1: the one-launch kernel takes at most {CLUSTER_MAX_SLOTS} slots and "
+                         f"{CLUSTER_MAX_EXPERTS} experts (here {num_slots} and {num_experts}) on a device that holds "
+                         f"a cluster of {_CLUSTER_CTAS} of its CTAs; expected None or 3")
 
     device = topk_idx.device
     ids = topk_idx.contiguous()
@@ -120,7 +151,7 @@ def routing_metadata(topk_idx: torch.Tensor, num_experts: int, align: int, *,
                 (_CLUSTER_CTAS, 1, 1), (_CLUSTER_THREADS, 1, 1),
                 (ids, i32(num_slots), i32(num_experts), i32(align), i32(chunk), i32(num_rows), counts, starts, ends,
                  slot_to_row, row_to_slot, i32(1 if assert_ids else 0)),
-                smem=4 * ((_CLUSTER_WARPS + 4) * num_experts + _CLUSTER_WARPS), cluster=(_CLUSTER_CTAS, 1, 1))
+                smem=smem, cluster=(_CLUSTER_CTAS, 1, 1))
         return RoutingMeta(counts=counts, starts=starts, ends=ends, slot_to_row=slot_to_row, row_to_slot=row_to_slot,
                            num_experts=num_experts, top_k=top_k, align=align)
     chunk, num_chunks = chunking(num_slots)
