@@ -459,7 +459,7 @@ def cmd_host(args) -> int:
 
 
 def _launch_timeline(x, idx, w, l1, l2, dy, recipe: str):
-    """[(phase, name, host µs, gpu µs)] of one step from an idle GPU: every JIT launch, the
+    """[(name, host µs, GPU µs)] of one step from an idle GPU: every JIT launch, the
     forward's return and the backward's end, both clocks relative to the call."""
     from deep_gemm_ext.jit import runtime
 
