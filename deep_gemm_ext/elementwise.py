@@ -70,11 +70,13 @@ def swiglu_forward(h: torch.Tensor, activation_clamp: float | None, kernels=None
 
 
 def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, kernels,
-                           slot_to_row: torch.Tensor | None = None):
+                           slot_to_row: torch.Tensor | None = None, with_pool: bool = False):
     """The pool of ``x``'s rows quantized 1x128, ``(data [P, H] e4m3, scale [P, H/128] fp32)``: each token
     quantized once, then its rows gathered (padding rows: data and scale zero; ``slot_to_row``: in token
-    order, as :func:`gather_rows`)."""
-    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k, slot_to_row=_token_order(slot_to_row, top_k, kernels))
+    order, as :func:`gather_rows`). ``with_pool``: also the bf16 pool :func:`gather_rows` makes,
+    ``(data, scale, pool)``, in the same launch where the token order serves."""
+    return kernels.quantize_pool_rows_fp8(x, row_to_slot, top_k, slot_to_row=_token_order(slot_to_row, top_k, kernels),
+                                          with_pool=with_pool)
 
 
 def _token_order(slot_to_row: torch.Tensor | None, top_k: int, kernels) -> torch.Tensor | None:

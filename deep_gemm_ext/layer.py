@@ -181,9 +181,16 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     if num_rows == 0:  # shapes are static: no sync; also avoids zero-length contractions
         dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(w_rows), handle)
         return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
+    # fp8 rows for the L2 dgrad: dy's quantized pool and its bf16 pool (for dW2) from one launch, each
+    # token's row read once.
+    dy_fp8 = None
     if plan.gather_backward:
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
+    elif plan.fp8_rows and not plan.swiglu_epilogues:
+        *dy_fp8, a_dy = elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
+                                                           meta.slot_to_row, with_pool=True)
+        gather = None
     else:
         a_dy = elementwise.gather_rows(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
         gather = None
@@ -196,11 +203,11 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         dh_l1 = dh
     else:
         a_l2 = a_dy
-        if plan.fp8_rows and gather is None:
-            # dy quantized per token, then its rows gathered: the pool's quantized bits from T rows of
-            # reads instead of P (the bf16 pool stays for dW2).
-            a_l2 = Fp8Rows(*elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
-                                                               meta.slot_to_row))
+        if dy_fp8 is not None:
+            # dy quantized per token into the pool's rows: the pool's quantized bits from T rows of reads
+            # instead of P (the bf16 pool stays for dW2).
+            a_l2 = Fp8Rows(*dy_fp8)
+            dy_fp8 = None
         da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
         del a_l2
         # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the

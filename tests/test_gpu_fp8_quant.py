@@ -245,17 +245,19 @@ def test_quantize_rows_gather_matches_pool(prebuilt, kind, num_tokens, num_exper
 
 
 @requires_hopper
+@pytest.mark.parametrize("with_pool", [False, True])
 @pytest.mark.parametrize("token_order", [False, True])
 @pytest.mark.parametrize("kind", ["uniform", "empty_experts", "unused_slots", "one_expert"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden", [(1, 4, 2, 512), (300, 16, 4, 2048),
                                                                   (129, 64, 8, 7168), (77, 8, 2, 256),
                                                                   (50, 8, 3, 200), (40, 64, 32, 1152)])
 def test_quantize_pool_rows_matches_gathering_quantizer(prebuilt, kind, num_tokens, num_experts, top_k, hidden,
-                                                        token_order):
+                                                        token_order, with_pool):
     """Per token, then gathered (token_order: in one token-order launch): every used row's data and
     scales bit for bit those of the gathering quantizer; padding rows zero data and scale 0 (or, in the
     row walk where a scale row is not whole 16-byte vectors, H = 256, the gathering quantizer itself,
-    with the zero tile's scale)."""
+    with the zero tile's scale). with_pool: the bf16 pool returned beside them is gather_rows' pool
+    bit for bit (zeros on padding rows), and data and scale are the same as without it."""
     seed = num_tokens * 5 + num_experts + top_k * 3 + hidden
     gen = torch.Generator().manual_seed(seed)
     idx = make_routing(num_tokens, num_experts, top_k, kind, generator=gen).to(DEVICE)
@@ -263,9 +265,17 @@ def test_quantize_pool_rows_matches_gathering_quantizer(prebuilt, kind, num_toke
     x = _make_rows(num_tokens, hidden, seed)
     ref = quantize_rows_fp8(x, gather=(meta.row_to_slot, top_k))
     poison_cached_memory(0xFF)
-    data, scale = fp8_quant.quantize_pool_rows_fp8(x, meta.row_to_slot, top_k,
-                                                   slot_to_row=meta.slot_to_row if token_order else None)
-    what = f"pool kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} seed={seed} token_order={token_order}"
+    got = fp8_quant.quantize_pool_rows_fp8(x, meta.row_to_slot, top_k,
+                                           slot_to_row=meta.slot_to_row if token_order else None, with_pool=with_pool)
+    what = (f"pool kind={kind} T={num_tokens} E={num_experts} K={top_k} H={hidden} seed={seed} "
+            f"token_order={token_order} with_pool={with_pool}")
+    assert len(got) == (3 if with_pool else 2), what
+    data, scale = got[:2]
+    if with_pool:
+        pool = got[2]
+        assert pool.dtype == x.dtype and pool.shape == (meta.row_to_slot.shape[0], hidden), what
+        ref_pool = elementwise.gather_rows(x, meta.row_to_slot, top_k)  # torch: zeros where < 0
+        assert torch.equal(pool.view(torch.int16), ref_pool.view(torch.int16)), what
     used = meta.row_to_slot >= 0
     assert used.any(), what
     assert torch.equal(data[used].view(torch.uint8), ref[0][used].view(torch.uint8)), what

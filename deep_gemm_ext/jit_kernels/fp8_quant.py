@@ -74,6 +74,7 @@ _SWIGLU_BWD_ARGS = (
 _TOKEN_ROW_ARGS = (
     KernelArg("x", "const __nv_bfloat16*"), KernelArg("slot_to_row", "const int*"),
     KernelArg("row_to_slot", "const int*"), KernelArg("data", "unsigned char*"), KernelArg("scale", "float*"),
+    KernelArg("pool", "__nv_bfloat16*", nullable=True),
     KernelArg("num_tokens", "unsigned int"), KernelArg("cols", "unsigned int"), KernelArg("top_k", "unsigned int"),
     KernelArg("num_rows", "unsigned int"),
 )
@@ -256,7 +257,7 @@ def quantize_rows_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor, int] | Non
 
 
 def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *,
-                           slot_to_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           slot_to_row: torch.Tensor | None = None, with_pool: bool = False):
     """The pool ``[P, K]`` whose row r is ``x[row_to_slot[r] // top_k]``, quantized 1x128 along K:
     ``(data [P, K] e4m3, scale [P, ceil(K/128)] fp32)``. Each of ``x``'s T rows is quantized once: a
     row's tiles do not depend on where it lands, so every used row has the bits of quantizing the
@@ -268,21 +269,31 @@ def quantize_pool_rows_fp8(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: in
     the rows no slot maps to. Without it, :func:`quantize_rows_fp8` on x and ``gather_rows`` of the data
     and of the scales (three launches; where a scale row is not a whole number of 16-byte vectors,
     ceil(K/128) not a multiple of 4, the gathering quantizer, which writes the zero tile's scale on
-    padding rows). Same bits on every used row either way."""
+    padding rows). Same bits on every used row either way.
+
+    ``with_pool=True`` also returns the bf16 pool ``[P, K]`` itself (``gather_rows(x, row_to_slot, top_k)``,
+    bit for bit): ``(data, scale, pool)``. With ``slot_to_row`` the token-order launch stores it from the
+    same read of x (one launch for both pools); without, a separate gather."""
     x = _check_bf16_input("x", x)
     row_to_slot, top_k = _check_gather((row_to_slot, top_k), x.device)
+    if not isinstance(with_pool, bool):
+        raise ValueError(f"with_pool={with_pool!r}: expected a bool")
     if slot_to_row is not None:
-        return _quantize_token_rows(x, row_to_slot, top_k, slot_to_row)
+        return _quantize_token_rows(x, row_to_slot, top_k, slot_to_row, with_pool)
     if num_blocks(x.shape[1]) % 4 or x.shape[0] == 0:
-        return quantize_rows_fp8(x, gather=(row_to_slot, top_k))
-    data, scale = quantize_rows_fp8(x)
-    # Evict-first pool stores: 1.04x (e4m3 rows) and 1.42x (scales) of plain stores at Qwen3-30B T16384
-    # (docs/perf-notes.md v21); same bytes.
-    return (gather_rows(data, row_to_slot, top_k, stream_stores=True),
-            gather_rows(scale, row_to_slot, top_k, stream_stores=True))
+        data, scale = quantize_rows_fp8(x, gather=(row_to_slot, top_k))
+    else:
+        data, scale = quantize_rows_fp8(x)
+        # Evict-first pool stores: 1.04x (e4m3 rows) and 1.42x (scales) of plain stores at Qwen3-30B T16384
+        # (docs/perf-notes.md v21); same bytes.
+        data = gather_rows(data, row_to_slot, top_k, stream_stores=True)
+        scale = gather_rows(scale, row_to_slot, top_k, stream_stores=True)
+    if with_pool:
+        return data, scale, gather_rows(x, row_to_slot, top_k)
+    return data, scale
 
 
-def _quantize_token_rows(x, row_to_slot, top_k, slot_to_row):
+def _quantize_token_rows(x, row_to_slot, top_k, slot_to_row, with_pool=False):
     if not isinstance(slot_to_row, torch.Tensor) or slot_to_row.dtype != torch.int32 or slot_to_row.dim() != 1 \
             or slot_to_row.device != x.device:
         raise ValueError(f"slot_to_row is {_describe(slot_to_row)}; expected a 1-D int32 tensor on {x.device}")
@@ -298,16 +309,18 @@ def _quantize_token_rows(x, row_to_slot, top_k, slot_to_row):
                          f"tokens, rows and columns (int32 row maps; its grid-stride loops step in 32 bits)")
     data = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, num_blocks(cols), dtype=torch.float32, device=x.device)
+    pool = torch.empty(rows, cols, dtype=x.dtype, device=x.device) if with_pool else None
+    outputs = (data, scale, pool) if with_pool else (data, scale)
     if rows == 0 or cols == 0:
-        return data, scale
+        return outputs
     kernel = jit.build(*_TOKEN_ROWS)
     layout, payload = jit.pack_bytes(_TOKEN_ROWS[0], _TOKEN_ROW_ARGS, x=x, slot_to_row=slot_to_row.contiguous(),
-                                     row_to_slot=row_to_slot, data=data, scale=scale, num_tokens=num_tokens, cols=cols,
-                                     top_k=top_k, num_rows=rows)
+                                     row_to_slot=row_to_slot, data=data, scale=scale, pool=pool,
+                                     num_tokens=num_tokens, cols=cols, top_k=top_k, num_rows=rows)
     work = max(-(-num_tokens // _WARPS), -(-rows // (_WARPS * 32)))
     with jit.device_guard(x):
         kernel.launch_bytes(_grid(kernel, work, x.device), (_THREADS, 1, 1), layout, payload)
-    return data, scale
+    return outputs
 
 
 def swiglu_forward_fp8(h: torch.Tensor, clamp: float | None = None, *, return_act: bool = False,

@@ -228,12 +228,15 @@ quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict_
 // (slot_to_row); then the rows no used slot maps to (row_to_slot < 0, or a slot of a token past num_tokens)
 // get zero data and a zero scale, 32 rows a warp step. Where slot_to_row and row_to_slot are inverse over
 // the used slots (routing metadata), every used row has the bits of quantizing x's row, and every other
-// row the bytes gather_rows writes there. top_k <= 32 (a lane holds one slot's row).
+// row the bytes gather_rows writes there. top_k <= 32 (a lane holds one slot's row). `pool` (nullable):
+// the bf16 pool as well, each lane's 16-byte vector stored to the same rows (zeros on the rows no slot
+// maps to): gather_rows' pool from the same read of x.
 template <int kTilesPerHalf>
 __global__ void __launch_bounds__(kFp8QuantThreads)
 quantize_token_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict__ slot_to_row,
                            const int* __restrict__ row_to_slot, unsigned char* __restrict__ data,
-                           float* __restrict__ scale, u32 num_tokens, u32 cols, u32 top_k, u32 num_rows) {
+                           float* __restrict__ scale, __nv_bfloat16* __restrict__ pool, u32 num_tokens, u32 cols,
+                           u32 top_k, u32 num_rows) {
     grid_dependency_wait();
     const u32 tiles_per_row = (cols + kFp8Block - 1) / kFp8Block;
     const int lane = lane_id();
@@ -271,8 +274,11 @@ quantize_token_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __res
                     const int row = __shfl_sync(kFullMask, slot_row, k);
                     if (row < 0)
                         continue;
-                    if (lane_ok[j])
+                    if (lane_ok[j]) {
                         *reinterpret_cast<uint2*>(data + static_cast<i64>(row) * cols + col[j]) = bytes;
+                        if (pool != nullptr)
+                            *reinterpret_cast<uint4*>(pool + static_cast<i64>(row) * cols + col[j]) = v[j];
+                    }
                     if (tile_ok[j] && vec_col == 0)
                         scale[static_cast<i64>(row) * tiles_per_row + tile] = s;
                 }
@@ -288,8 +294,11 @@ quantize_token_rows_kernel(const __nv_bfloat16* __restrict__ x, const int* __res
         }
         for (u32 mask = __ballot_sync(kFullMask, unmapped); mask != 0; mask &= mask - 1) {
             const i64 row = base + __ffs(static_cast<int>(mask)) - 1;
-            for (u32 c = lane * kBf16PerVec; c < cols; c += kWarpSize * kBf16PerVec)
+            for (u32 c = lane * kBf16PerVec; c < cols; c += kWarpSize * kBf16PerVec) {
                 *reinterpret_cast<uint2*>(data + row * cols + c) = make_uint2(0, 0);
+                if (pool != nullptr)
+                    *reinterpret_cast<uint4*>(pool + row * cols + c) = make_uint4(0, 0, 0, 0);
+            }
             for (u32 t = lane; t < tiles_per_row; t += kWarpSize)
                 scale[row * tiles_per_row + t] = 0.0f;
         }
