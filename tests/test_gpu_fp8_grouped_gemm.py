@@ -755,15 +755,19 @@ def test_static_k_configs():
     # compiled in.
     assert [gg.fp8_static_k_stages(k) for k in (2048, 768, 1536, 4096, 7168, 640, 1280, 896, 128, 512, 16)] == \
         [4, None, 4, None, None, 5, 5, None, None, 4, None]
-    # The 192-wide tile fits 4 stages only, and takes up to 64 k-blocks (its loop unrolls one turn of the
-    # ring).
+    # The 192-wide tile fits 4 stages only, and takes up to 64 k-blocks where 4 divides them (its loop
+    # unrolls one turn of the ring), up to 16 where it does not (the tile unrolled once per start stage).
+    assert gg.FP8_STATIC_K_UNROLLED_BLOCKS == {192: 16}
     assert [gg.fp8_static_k_stages(k, 192) for k in (2048, 768, 1536, 640, 1280, 512, 4096, 3072, 7168, 8192,
-                                                      8704)] == [4, None, 4, None, None, 4, 4, 4, 4, 4, None]
+                                                      8704, 1920, 2176, 128)] == \
+        [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, None, 4, None, 4]
     wide = gg.GemmConfig("nt", 192, dtype="fp8", cluster_n=2, shape_k=1536)
     assert wide.stages == 4 and wide.name == "sm90_fp8_grouped_gemm_nt_n192_s4_c2_k1536"
-    with pytest.raises(ValueError, match=r"shape_k=640: its 5 k-blocks are a multiple of none of the ring depths "
-                                         r"\(4,\) of block_n=192"):
-        gg.GemmConfig("nt", 192, dtype="fp8", shape_k=640)
+    assert gg.GemmConfig("nt", 192, dtype="fp8", shape_k=768).name == "sm90_fp8_grouped_gemm_nt_n192_s4_k768"
+    with pytest.raises(ValueError, match=r"shape_k=2176: its 17 k-blocks are a multiple of none of the ring depths "
+                                         r"\(4,\) of block_n=192, or more than 64 \(and more than 16, the most it "
+                                         r"unrolls where no depth divides them\)"):
+        gg.GemmConfig("nt", 192, dtype="fp8", shape_k=2176)
     c = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter", shape_k=2048)
     assert c.stages == 4 and c.name == "sm90_fp8_grouped_gemm_nt_n128_s4_scatter_overlap_c2_k2048"
     runtime = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", cluster_n=2, epilogue="scatter")
@@ -867,6 +871,14 @@ def test_static_k_many_tiles_per_cta_at_qwen3_30b(exact_fp32_matmul):
         argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="overlap")
         _assert_same_bits(static, argument, f"seed={seed} k={k}")
         _check(static, *ops, starts, ends, mode="exact", what=f"seed={seed} k={k} static")
+    # The 192-wide tile where the 4-deep ring does not divide the k-blocks (6, 5): with ~16 tiles per CTA
+    # the tiles start at every stage the unrolled copies cover (0 and 2; 0 to 3).
+    for k, n in ((768, 2048), (640, 1536)):
+        assert fg._static_k_config(gg.GemmConfig("nt", 192, dtype="fp8"), k).shape_k == k
+        ops = _int_operands(rows, k, 128, n, pad, g, exact=True)
+        argument, static = _static_and_argument(ops, starts, ends, (rows, n), mainloop="serial", block_n=192)
+        _assert_same_bits(static, argument, f"seed={seed} k={k} n192")
+        _check(static, *ops, starts, ends, mode="exact", what=f"seed={seed} k={k} n192 static")
 
 
 # -- 128 x 192 tiles against 128 x 128 ---------------------------------------------------------------------
@@ -969,12 +981,30 @@ def test_n192_static_k_kernel_unrolls_one_turn_per_split():
         assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == 2 * 4 * 4, config.name
 
 
+@requires_compiler
+def test_n192_static_k_kernel_unrolls_the_tile_per_start_stage():
+    # 6, 5 and 10 k-blocks, which the 4-deep ring does not divide: a tile starts at a multiple of
+    # gcd(k-blocks, 4), and the tile's whole k-loop is unrolled once per such start and per weight-block
+    # split: 2 x 2 x 6, 4 x 2 x 5 and 2 x 2 x 10 k-blocks of 4 QGMMA m64n192k32; no spills.
+    for k, starts in ((768, 2), (640, 4), (1280, 2)):
+        config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=k)
+        kernel = _build(config)
+        assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
+        if _CUOBJDUMP is None:
+            pytest.skip("cuobjdump not installed: compile checked, SASS not")
+        sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                              text=True).stdout
+        assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == starts * 2 * -(-k // 128) * 4, config.name
+
+
 @requires_hopper
 @pytest.mark.parametrize("cluster_n", [1, 2])
-@pytest.mark.parametrize("k", [2048, 1536, 512, 768, 3072])
+@pytest.mark.parametrize("k", [2048, 1536, 512, 768, 3072, 640, 1200])
 def test_n192_static_k_is_bit_identical(k, cluster_n, exact_fp32_matmul):
-    # 16, 12, 4 and 24 k-blocks (ring of 4), 6 (no ring divides them: the K-argument kernel runs). N = 448:
-    # tiles starting on a weight block and half-way into one, the last one past N.
+    # 16, 12, 4 and 24 k-blocks (ring of 4, every tile from stage 0); 6, 5 and 10 (a ragged last one), which
+    # the ring does not divide: tiles start at 2 or 4 stages, the tile unrolled once per start. 700 tokens
+    # x top-4 over 12 experts: CTAs take several tiles, so every start is taken. N = 448: tiles starting on
+    # a weight block and half-way into one, the last one past N.
     seed = 6100 + k + cluster_n
     g = torch.Generator().manual_seed(seed)
     starts, ends, rows, pad, meta = _routed(700, 12, 4, "zipf", g)

@@ -172,16 +172,26 @@ _FP8_STATIC_K_STAGES = {128: FP8_STATIC_K_STAGES, 192: (4,)}
 #: up to 2048 is what was measured, docs/perf-notes.md v25); the 192-wide tile's serial loop is unrolled
 #: over one turn of the ring whatever K is (v26).
 FP8_STATIC_K_MAX_BLOCKS = {128: 16, 192: 64}
+#: Where no ring depth divides the k-blocks, the 192-wide tile's serial loop still takes K compiled in up
+#: to this many k-blocks: a tile then starts at one of depth / gcd(k-blocks, depth) stages, and the loop is
+#: unrolled over the whole tile once per start (GemmTraits::kRingStarts; Qwen3-30B's K = 768, 6 k-blocks,
+#: two starts).
+FP8_STATIC_K_UNROLLED_BLOCKS = {192: 16}
 
 
 def fp8_static_k_stages(shape_k: int, block_n: int = _FP8_BLOCK_N) -> int | None:
     """The ring depth of the fp8 M-grouped GEMM with K = shape_k compiled in, or None where no depth of
     FP8_STATIC_K_STAGES (of the 192-wide tile: 4) divides its ceil(K / 128) k-blocks or they are more
-    than FP8_STATIC_K_MAX_BLOCKS of the tile."""
+    than FP8_STATIC_K_MAX_BLOCKS of the tile; the 192-wide tile takes its 4 stages also where no depth
+    divides up to FP8_STATIC_K_UNROLLED_BLOCKS k-blocks."""
     k_blocks = -(-shape_k // 128)
     if not 0 < k_blocks <= FP8_STATIC_K_MAX_BLOCKS.get(block_n, 0):
         return None
-    return next((s for s in _FP8_STATIC_K_STAGES.get(block_n, ()) if k_blocks % s == 0), None)
+    depths = _FP8_STATIC_K_STAGES.get(block_n, ())
+    divides = next((s for s in depths if k_blocks % s == 0), None)
+    if divides is None and k_blocks <= FP8_STATIC_K_UNROLLED_BLOCKS.get(block_n, 0):
+        return depths[0]
+    return divides
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
 #: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
 #: cooperative schedule, unpaired tiles, and the store or combine epilogues.
@@ -302,7 +312,10 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig: shape_k={self.shape_k}: its {-(-self.shape_k // 128)} k-blocks are a "
                                  f"multiple of none of the ring depths {_FP8_STATIC_K_STAGES[self.block_n]} of "
                                  f"block_n={self.block_n}, or more than "
-                                 f"{FP8_STATIC_K_MAX_BLOCKS.get(self.block_n)}")
+                                 f"{FP8_STATIC_K_MAX_BLOCKS.get(self.block_n)}"
+                                 + (f" (and more than {FP8_STATIC_K_UNROLLED_BLOCKS[self.block_n]}, the most it "
+                                    f"unrolls where no depth divides them)"
+                                    if self.block_n in FP8_STATIC_K_UNROLLED_BLOCKS else ""))
 
     @property
     def stages(self) -> int:

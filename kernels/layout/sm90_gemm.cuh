@@ -37,6 +37,10 @@ enum class Schedule : uint32_t { Cooperative = 0, Pingpong = 1 };
 // Operand element type of the A and B stages:
 //   BF16  bf16 x bf16, k-blocks of 64 (MainloopBF16);
 //   E4M3  e4m3 x e4m3 with fp32 block scales, k-blocks of 128 = one scale block (MainloopFP8).
+__host__ __device__ constexpr uint32_t constexpr_gcd(uint32_t a, uint32_t b) {
+    return b == 0 ? a : constexpr_gcd(b, a % b);
+}
+
 enum class ElementType : uint32_t { BF16 = 0, E4M3 = 1 };
 
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
@@ -60,12 +64,18 @@ struct GemmTraits {
     // K elements per k-block (one stage): 128 bytes of each operand row.
     static constexpr uint32_t kBlockK = kElement == ElementType::BF16 ? BLOCK_K : 128;
     static constexpr bool kKGrouped = kType == GroupedGemmType::KGroupedContiguous;
-    // K compiled in (M-grouped fp8): every tile has the same kNumKBlocks k-blocks, a multiple of the
-    // ring's depth (asserted below), so every tile starts at stage 0 (kStaticRing) and each k-block's
-    // stage, barriers and smem offsets are constants of the unrolled loop.
+    // K compiled in (M-grouped fp8): every tile has the same kNumKBlocks k-blocks. Where they are a
+    // multiple of the ring's depth, every tile starts at stage 0 (kStaticRing) and each k-block's stage,
+    // barriers and smem offsets are constants of the unrolled loop. Where they are not, a tile starts at
+    // a multiple of kRingStep = gcd(k-blocks, depth), one of kRingStarts stages, and the serial mainloop
+    // unrolls the whole tile once per start (at most kMaxUnrolledKBlocks k-blocks), so the stages are
+    // constants again in each copy.
     static constexpr uint32_t kShapeK = kShapeK_;
     static constexpr uint32_t kNumKBlocks = (kShapeK + kBlockK - 1) / kBlockK;
     static constexpr bool kStaticRing = kShapeK > 0 && kNumKBlocks % kNumStages == 0;
+    static constexpr uint32_t kRingStep = kShapeK > 0 ? constexpr_gcd(kNumKBlocks, kNumStages) : 1;
+    static constexpr uint32_t kRingStarts = kShapeK > 0 ? kNumStages / kRingStep : 0;
+    static constexpr uint32_t kMaxUnrolledKBlocks = 16;
     static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
     static constexpr bool kPingpong = kSchedule == Schedule::Pingpong;
     // 64-row slices of a tile per consumer warpgroup, and the consumer warps that read each stage.
@@ -84,7 +94,9 @@ struct GemmTraits {
     static_assert(!kPairedN || kType == GroupedGemmType::MGroupedContiguous, "paired N tiling is for M-grouped GEMMs");
     static_assert(kShapeK == 0 || (kElement == ElementType::E4M3 && kType == GroupedGemmType::MGroupedContiguous),
                   "K is compiled into the M-grouped fp8 GEMMs only");
-    static_assert(kShapeK == 0 || kStaticRing, "K compiled in: the ring's depth must divide the k-blocks");
+    static_assert(kShapeK == 0 || kStaticRing || (BLOCK_N == 192 && kNumKBlocks <= kMaxUnrolledKBlocks),
+                  "K compiled in: the ring's depth must divide the k-blocks, or the 192-wide tile's serial loop "
+                  "unrolls the tile once per start stage (at most kMaxUnrolledKBlocks k-blocks)");
     static_assert(BLOCK_N == 128 || BLOCK_N == 256 || (BLOCK_N == 192 && kElement == ElementType::E4M3),
                   "BLOCK_N must be 128 or 256 (e4m3: 128 or 192)");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs");

@@ -290,11 +290,32 @@ private:
                 for (uint32_t j = 0; j < Traits::kNumStages; ++j)
                     step(turn * Traits::kNumStages + j);
             }
+        } else if constexpr (Traits::kShapeK != 0) {
+            // K compiled in, the ring's depth not dividing the k-blocks: the whole tile unrolled once
+            // per stage a tile can start at.
+            unrolled_from_start<0>(step, st);
         } else {
             for (uint32_t kb = 0; kb < num_k_blocks; ++kb)
                 step(kb);
         }
         return last_stage;
+    }
+
+    // The tile's kNumKBlocks steps unrolled for the start stage st.stage, one of the multiples of
+    // Traits::kRingStep from kStart on: in each copy the stage is a constant.
+    template <uint32_t kStart, class Step>
+    __device__ __forceinline__ static void unrolled_from_start(Step& step,
+                                                               sm90::PipelineState<Traits::kNumStages>& st) {
+        if constexpr (kStart + Traits::kRingStep < Traits::kNumStages) {
+            if (st.stage != kStart) {
+                unrolled_from_start<kStart + Traits::kRingStep>(step, st);
+                return;
+            }
+        }
+        st.stage = kStart;
+#pragma unroll
+        for (uint32_t kb = 0; kb < Traits::kNumKBlocks; ++kb)
+            step(kb);
     }
 
     // The overlapping schedule (kOverlapPromotion; file comment). Same scale pointers, partial sums
