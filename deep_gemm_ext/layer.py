@@ -169,6 +169,19 @@ def _take_or_zero(src: torch.Tensor, index: torch.Tensor, kernels=None) -> torch
     return torch.cat([src, src.new_zeros(1)])[index]
 
 
+#: Widest hidden size whose fp8 backward makes dy's quantized and bf16 pools in one token-order launch
+#: (``quantize_pool_rows_fp8(with_pool=True)``); wider rows take the bf16 gather and the quantizer apart.
+#: GPU time per call on the H200 (CUDA graphs; docs/perf-notes.md v30), one launch against two: T 16384 x
+#: H 2048 333.6 / 336.5 us, T 4096 x 2048 115.7 / 122.1 us; T 8192 x 4096 423.3 / 399.5 us, x 7168 826.7 /
+#: 760.4 us.
+FUSED_DY_POOLS_MAX_HIDDEN = 2048
+
+
+def fused_dy_pools(hidden: int) -> bool:
+    """Whether the fp8 backward makes dy's two pools in one launch at this hidden size."""
+    return hidden <= FUSED_DY_POOLS_MAX_HIDDEN
+
+
 def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     """Gradients ``(dx, d topk_weights, d l1_weights, d l2_weights)`` from :func:`forward`'s ``saved``."""
     gemms, precision, cdt = plan.gemms, plan.precision, plan.dtype
@@ -182,12 +195,12 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(w_rows), handle)
         return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
     # fp8 rows for the L2 dgrad: dy's quantized pool and its bf16 pool (for dW2) from one launch, each
-    # token's row read once.
+    # token's row read once, where that measured faster (fused_dy_pools).
     dy_fp8 = None
     if plan.gather_backward:
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
-    elif plan.fp8_rows and not plan.swiglu_epilogues:
+    elif plan.fp8_rows and not plan.swiglu_epilogues and fused_dy_pools(dy_r.shape[1]):
         *dy_fp8, a_dy = elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
                                                            meta.slot_to_row, with_pool=True)
         gather = None
@@ -208,6 +221,10 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
             # instead of P (the bf16 pool stays for dW2).
             a_l2 = Fp8Rows(*dy_fp8)
             dy_fp8 = None
+        elif plan.fp8_rows and gather is None:
+            # The same quantized pool in a launch of its own, beside the bf16 gather above.
+            a_l2 = Fp8Rows(*elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
+                                                               meta.slot_to_row))
         da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
         del a_l2
         # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the

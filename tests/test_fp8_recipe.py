@@ -672,3 +672,11 @@ def test_gpu_deep_gemm_reads_the_weight_cache(monkeypatch):
     for _ in range(2):
         run_layer(_layer(backend="deep_gemm"), x, idx, w, l1, l2, None, dy)
     assert len(calls) == 2, calls
+
+
+def test_fused_dy_pools_rule():
+    # The fp8 backward makes dy's quantized and bf16 pools in one launch up to H = 2048 (where it measured
+    # at least as fast as the gather and the quantizer apart), in two above.
+    from deep_gemm_ext import layer
+    assert layer.FUSED_DY_POOLS_MAX_HIDDEN == 2048
+    assert [layer.fused_dy_pools(h) for h in (256, 2048, 2056, 4096, 7168)] == [True, True, False, False, False]

@@ -997,6 +997,24 @@ def test_n192_static_k_kernel_unrolls_the_tile_per_start_stage():
         assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == starts * 2 * -(-k // 128) * 4, config.name
 
 
+@requires_compiler
+def test_static_k_falls_back_while_loads_are_forbidden():
+    # Under jit.no_loads (emulated ranks) a K-compiled kernel that is not loaded yet would raise at its
+    # launch: the K-argument configuration (registered, loaded beforehand) is chosen for that call, and
+    # the K-compiled one again once loads are allowed (the choice itself stays cached).
+    base = gg.GemmConfig("nt", 192, dtype="fp8", epilogue="scatter")
+    for k in (768, 256, 2048):
+        static = fg._static_k_config(base, k)
+        assert static.shape_k == k, k
+        if static.kernel().loaded:  # a GPU run that launched it already: nothing to fall back from
+            continue
+        with jit.no_loads():
+            assert jit.loads_allowed() is False
+            assert fg._static_k_config(base, k) is base, k
+        assert jit.loads_allowed() is True
+        assert fg._static_k_config(base, k) is static, k
+
+
 @requires_hopper
 @pytest.mark.parametrize("cluster_n", [1, 2])
 @pytest.mark.parametrize("k", [2048, 1536, 512, 768, 3072, 640, 1200])

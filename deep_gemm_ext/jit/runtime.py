@@ -114,6 +114,11 @@ class Kernel:
 
     # -- loading ---------------------------------------------------------------------------------
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the kernel's module is loaded into the device's context (its launches load nothing)."""
+        return self._function is not None
+
     def _load(self) -> None:
         with self._load_lock:
             if self._function is not None:
@@ -315,6 +320,11 @@ def no_loads():
         yield
     finally:
         _loads_forbidden -= 1
+
+
+def loads_allowed() -> bool:
+    """False within :func:`no_loads`: a kernel that is not loaded yet would raise at its launch."""
+    return not _loads_forbidden
 
 
 def load_registered() -> int:

@@ -91,7 +91,9 @@ _STATIC_K_CONFIGS: dict = {}
 def _static_k_config(config: GemmConfig, k: int) -> GemmConfig:
     """``config`` with K compiled in, where a ring depth divides its k-blocks and the kernel (built here
     on first use) does not spill: an unrolled loop that spills would run slower than the K-argument
-    kernel, which is then the one returned."""
+    kernel, which is then the one returned. Where kernels may not load now (``jit.no_loads``: emulated
+    ranks whose kernels wait on each other) and the K-compiled one is not loaded yet, the K-argument
+    kernel (registered, so loaded beforehand) runs this call: the same bits."""
     key = (config, k)
     chosen = _STATIC_K_CONFIGS.get(key)
     if chosen is None:
@@ -101,6 +103,8 @@ def _static_k_config(config: GemmConfig, k: int) -> GemmConfig:
             if all(u.spill_bytes == 0 for u in static.kernel().resources()):
                 chosen = static
         _STATIC_K_CONFIGS[key] = chosen
+    if chosen is not config and not jit.loads_allowed() and not chosen.kernel().loaded:
+        return config
     return chosen
 
 
