@@ -57,7 +57,7 @@ without an SM90 GPU) it prints "not measured: <reason>" and exits 0.
 
 --fp8-tiles: per M-grouped fp8 GEMM of each workload, TFLOP/s of the 128 x 128 tile (overlap mainloop;
 clusters of 1 and 2) against the 128 x 192 tile (serial mainloop, the layer's on one CTA; clusters of 1 and 2),
-all with K compiled in (``static_k``: where no ring divides the k-blocks, the K-argument kernel);
+all with K compiled in (``static_k``: where fp8_static_k_stages gives no ring, the K-argument kernel);
 "bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
 experts own.
 """

@@ -235,8 +235,9 @@ class GemmConfig:
     await_rows: bool = False
     # K compiled into the kernel (M-grouped fp8 only; 0: K is a kernel argument): the mainloop's trip
     # count is a constant, and the ring is as deep as the largest of FP8_STATIC_K_STAGES that divides
-    # the k-block count, so every tile starts at stage 0 (GemmTraits::kStaticRing). fp8_static_k_stages()
-    # says which K can be.
+    # the k-block count, so every tile starts at stage 0 (GemmTraits::kStaticRing), or, for the 192-wide
+    # tile with at most FP8_STATIC_K_UNROLLED_BLOCKS k-blocks that no depth divides, 4 deep with the tile
+    # unrolled once per start stage (GemmTraits::kRingStarts). fp8_static_k_stages() says which K can be.
     shape_k: int = 0
 
     def __post_init__(self):

@@ -89,7 +89,7 @@ _STATIC_K_CONFIGS: dict = {}
 
 
 def _static_k_config(config: GemmConfig, k: int) -> GemmConfig:
-    """``config`` with K compiled in, where a ring depth divides its k-blocks and the kernel (built here
+    """``config`` with K compiled in, where fp8_static_k_stages gives it a ring and the kernel (built here
     on first use) does not spill: an unrolled loop that spills would run slower than the K-argument
     kernel, which is then the one returned. Where kernels may not load now (``jit.no_loads``: emulated
     ranks whose kernels wait on each other) and the K-compiled one is not loaded yet, the K-argument
@@ -124,8 +124,9 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     ``m_grouped_bf16_gemm_nt_contiguous``. ``mainloop``: the mainloop's schedule, "serial" or "overlap"
     (MAINLOOP_SCHEDULES), the same bits under both. ``cluster_n``: CTAs per cluster (1 or 2: adjacent
     M blocks share the B tile by multicast), the same bits under both. ``static_k``: run a kernel
-    with this K compiled in (built on first use for each K), where its k-block count is a multiple of
-    one of ``sm90_bf16_grouped_gemm.FP8_STATIC_K_STAGES`` and it compiles without spills (else the
+    with this K compiled in (built on first use for each K), where ``sm90_bf16_grouped_gemm.fp8_static_k_stages``
+    gives it a ring (a depth of FP8_STATIC_K_STAGES divides its k-blocks, or, for the 192-wide tile, there
+    are at most FP8_STATIC_K_UNROLLED_BLOCKS of them) and it compiles without spills (else the
     K-argument kernel); the same bits. ``block_n``: the N tile,
     FP8_BLOCK_NS (192: serial mainloop only; each output element's k-block partial sums and promotion
     are those of the 128-wide tile).

@@ -21,8 +21,8 @@ except ImportError:  # no cuda-python: the provider is never chosen (plan.jit_av
     _kernels = None
 
 # The layer's fp8 M-grouped GEMMs (the L1 and L2 forward, both data gradients): 128 x 192 tiles on the
-# serial mainloop, one CTA per cluster, K compiled in where a ring of 4 divides the k-blocks (else the
-# K-argument kernel). Same bits as every other tile, mainloop and cluster choice. Measured inside the
+# serial mainloop, one CTA per cluster, K compiled in where a ring of 4 divides the k-blocks or there are
+# at most 16 of them (fp8_static_k_stages; else the K-argument kernel). Same bits as every other tile, mainloop and cluster choice. Measured inside the
 # layer (the step's own kernel times under torch.profiler, Qwen3-30B T16384, docs/perf-notes.md v26):
 # the four fp8 GEMMs 2630 us a step, against 2873 us with the 128-wide tile on the overlap mainloop that
 # ran before (clusters of 2 for the slot-scatter GEMMs and the store GEMMs with N >= 1536) and 2744 us
