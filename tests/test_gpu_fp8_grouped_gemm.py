@@ -965,36 +965,25 @@ def test_n192_tiles_with_gaps_and_without_rows(exact_fp32_matmul):
 # -- 128 x 192 tiles with K compiled in ---------------------------------------------------------------------
 
 
-@requires_compiler
-def test_n192_static_k_kernel_unrolls_one_turn_per_split():
-    # K = 2048 and 4096: the tile's k-loop is a loop over turns of the 4-deep ring, one turn unrolled
-    # (4 k-blocks x 4 QGMMA m64n192k32), once for each place where the tile crosses into its second
-    # weight block (after 128 or 64 columns): 32 QGMMA whatever K is; no spills.
-    for k in (2048, 4096):
-        config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=k)
-        kernel = _build(config)
-        assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
-        if _CUOBJDUMP is None:
-            pytest.skip("cuobjdump not installed: compile checked, SASS not")
-        sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
-                              text=True).stdout
-        assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == 2 * 4 * 4, config.name
+# K -> QGMMA m64n192k32 in the kernel. 16 and 32 k-blocks (the 4-deep ring divides them): a loop over turns of
+# the ring, one turn unrolled (4 k-blocks x 4 wgmmas), once for each place where the tile crosses into its
+# second weight block (after 128 or 64 columns), 2 x 4 x 4 whatever K is. 6, 5 and 10 k-blocks (it does not):
+# a tile starts at a multiple of gcd(k-blocks, 4), and the whole k-loop is unrolled once per such start and
+# per split: 2 x 2 x 6, 4 x 2 x 5 and 2 x 2 x 10 k-blocks of 4 wgmmas.
+_N192_STATIC_K_QGMMA = {2048: 2 * 4 * 4, 4096: 2 * 4 * 4, 768: 2 * 2 * 6 * 4, 640: 4 * 2 * 5 * 4, 1280: 2 * 2 * 10 * 4}
 
 
 @requires_compiler
-def test_n192_static_k_kernel_unrolls_the_tile_per_start_stage():
-    # 6, 5 and 10 k-blocks, which the 4-deep ring does not divide: a tile starts at a multiple of
-    # gcd(k-blocks, 4), and the tile's whole k-loop is unrolled once per such start and per weight-block
-    # split: 2 x 2 x 6, 4 x 2 x 5 and 2 x 2 x 10 k-blocks of 4 QGMMA m64n192k32; no spills.
-    for k, starts in ((768, 2), (640, 4), (1280, 2)):
-        config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=k)
-        kernel = _build(config)
-        assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
-        if _CUOBJDUMP is None:
-            pytest.skip("cuobjdump not installed: compile checked, SASS not")
-        sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
-                              text=True).stdout
-        assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == starts * 2 * -(-k // 128) * 4, config.name
+@pytest.mark.parametrize("k", list(_N192_STATIC_K_QGMMA))
+def test_n192_static_k_kernel_unrolls_its_loop(k):
+    config = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=k)
+    kernel = _build(config)
+    assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
+    if _CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed: compile checked, SASS not")
+    sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,
+                          text=True).stdout
+    assert sass.count("QGMMA.64x192x32.F32.E4M3.E4M3") == _N192_STATIC_K_QGMMA[k], config.name
 
 
 @requires_compiler
