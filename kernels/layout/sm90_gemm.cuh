@@ -37,11 +37,11 @@ enum class Schedule : uint32_t { Cooperative = 0, Pingpong = 1 };
 // Operand element type of the A and B stages:
 //   BF16  bf16 x bf16, k-blocks of 64 (MainloopBF16);
 //   E4M3  e4m3 x e4m3 with fp32 block scales, k-blocks of 128 = one scale block (MainloopFP8).
+enum class ElementType : uint32_t { BF16 = 0, E4M3 = 1 };
+
 __host__ __device__ constexpr uint32_t constexpr_gcd(uint32_t a, uint32_t b) {
     return b == 0 ? a : constexpr_gcd(b, a % b);
 }
-
-enum class ElementType : uint32_t { BF16 = 0, E4M3 = 1 };
 
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
 // CTAs per cluster (kClusterN: 1, or 2 on adjacent M blocks sharing B by multicast), paired N
