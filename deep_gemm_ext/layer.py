@@ -194,19 +194,23 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     if num_rows == 0:  # shapes are static: no sync; also avoids zero-length contractions
         dx, d_topk = plan.tokens.dispatch_backward(torch.zeros_like(dy_r), torch.zeros_like(w_rows), handle)
         return dx, d_topk, torch.zeros_like(l1_weights), torch.zeros_like(l2_weights)
-    # fp8 rows for the L2 dgrad: dy's quantized pool and its bf16 pool (for dW2) from one launch, each
-    # token's row read once, where that measured faster (fused_dy_pools).
+    # fp8 rows for the L2 dgrad (plan.fp8_rows): dy quantized per token into the pool's rows, the pool's
+    # quantized bits from T rows of reads instead of P; with the bf16 pool (for dW2) in the same launch
+    # where that measured faster (fused_dy_pools).
     dy_fp8 = None
     if plan.gather_backward:
         # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
-    elif plan.fp8_rows and not plan.swiglu_epilogues and fused_dy_pools(dy_r.shape[1]):
-        *dy_fp8, a_dy = elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
-                                                           meta.slot_to_row, with_pool=True)
-        gather = None
     else:
-        a_dy = elementwise.gather_rows(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
         gather = None
+        fused = plan.fp8_rows and fused_dy_pools(dy_r.shape[1])
+        if not fused:
+            a_dy = elementwise.gather_rows(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
+        if plan.fp8_rows:
+            dy_fp8 = elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
+                                                        meta.slot_to_row, with_pool=fused)
+            if fused:
+                *dy_fp8, a_dy = dy_fp8
     l2 = precision.expert_weights(l2_weights, cdt)
     if plan.swiglu_epilogues:
         row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
@@ -215,16 +219,8 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
                                                   epilogue=SwigluBackward(h, row_weight, activation_clamp))
         dh_l1 = dh
     else:
-        a_l2 = a_dy
-        if dy_fp8 is not None:
-            # dy quantized per token into the pool's rows: the pool's quantized bits from T rows of reads
-            # instead of P (the bf16 pool stays for dW2).
-            a_l2 = Fp8Rows(*dy_fp8)
-            dy_fp8 = None
-        elif plan.fp8_rows and gather is None:
-            # The same quantized pool in a launch of its own, beside the bf16 gather above.
-            a_l2 = Fp8Rows(*elementwise.quantize_pool_rows_fp8(dy_r.to(cdt), meta.row_to_slot, top_k, plan.kernels,
-                                                               meta.slot_to_row))
+        a_l2 = a_dy if dy_fp8 is None else Fp8Rows(*dy_fp8)  # the bf16 pool stays for dW2
+        dy_fp8 = None
         da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
         del a_l2
         # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the

@@ -174,7 +174,7 @@ _FP8_STATIC_K_STAGES = {128: FP8_STATIC_K_STAGES, 192: (4,)}
 FP8_STATIC_K_MAX_BLOCKS = {128: 16, 192: 64}
 #: Where no ring depth divides the k-blocks, the 192-wide tile's serial loop still takes K compiled in up
 #: to this many k-blocks: a tile then starts at one of depth / gcd(k-blocks, depth) stages, and the loop is
-#: unrolled over the whole tile once per start (GemmTraits::kRingStarts; Qwen3-30B's K = 768, 6 k-blocks,
+#: unrolled over the whole tile once per start (GemmTraits::kRingStep; Qwen3-30B's K = 768, 6 k-blocks,
 #: two starts).
 FP8_STATIC_K_UNROLLED_BLOCKS = {192: 16}
 
@@ -237,7 +237,7 @@ class GemmConfig:
     # count is a constant, and the ring is as deep as the largest of FP8_STATIC_K_STAGES that divides
     # the k-block count, so every tile starts at stage 0 (GemmTraits::kStaticRing), or, for the 192-wide
     # tile with at most FP8_STATIC_K_UNROLLED_BLOCKS k-blocks that no depth divides, 4 deep with the tile
-    # unrolled once per start stage (GemmTraits::kRingStarts). fp8_static_k_stages() says which K can be.
+    # unrolled once per start stage (GemmTraits::kRingStep). fp8_static_k_stages() says which K can be.
     shape_k: int = 0
 
     def __post_init__(self):

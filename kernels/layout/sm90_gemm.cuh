@@ -67,14 +67,12 @@ struct GemmTraits {
     // K compiled in (M-grouped fp8): every tile has the same kNumKBlocks k-blocks. Where they are a
     // multiple of the ring's depth, every tile starts at stage 0 (kStaticRing) and each k-block's stage,
     // barriers and smem offsets are constants of the unrolled loop. Where they are not, a tile starts at
-    // a multiple of kRingStep = gcd(k-blocks, depth), one of kRingStarts stages, and the serial mainloop
-    // unrolls the whole tile once per start (at most kMaxUnrolledKBlocks k-blocks), so the stages are
-    // constants again in each copy.
+    // a multiple of kRingStep = gcd(k-blocks, depth), and the serial mainloop unrolls the whole tile once
+    // per such start (at most kMaxUnrolledKBlocks k-blocks), so the stages are constants again in each copy.
     static constexpr uint32_t kShapeK = kShapeK_;
     static constexpr uint32_t kNumKBlocks = (kShapeK + kBlockK - 1) / kBlockK;
     static constexpr bool kStaticRing = kShapeK > 0 && kNumKBlocks % kNumStages == 0;
     static constexpr uint32_t kRingStep = kShapeK > 0 ? constexpr_gcd(kNumKBlocks, kNumStages) : 1;
-    static constexpr uint32_t kRingStarts = kShapeK > 0 ? kNumStages / kRingStep : 0;
     static constexpr uint32_t kMaxUnrolledKBlocks = 16;
     static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
     static constexpr bool kPingpong = kSchedule == Schedule::Pingpong;
