@@ -42,30 +42,53 @@ struct EpilogueScatterSlotsBuffers {
         : buffers(smem + warpgroup * kNumBuffers * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup),
           thread(thread_) {}
 
+    // The row_to_slot entries the epilogue of a slice needs, loaded before the tile's mainloop (the
+    // core's Prefetch hook) and first used after it, so that the loads are in flight under the wgmmas:
+    // the slots of the four rows this thread stores, and of its two accumulator rows (whose weights
+    // the weighted epilogue then loads). Loaded after the mainloop they were the first thing every
+    // tile's epilogue waited for, with the tensor cores idle (two dependent L2 round trips when
+    // weighted, one now). Raw values (-1 past the pool): checked where they are used.
+    struct Prefetch {
+        int32_t dst_slot[kRowsPerThread];
+        int32_t acc_slot[2];
+    };
+
     // Args: out [num_slots, N] bf16 (16-byte aligned, N % 8 == 0), row_to_slot [num_rows] int32,
     // weights [num_slots] fp32 (read only when kWeighted), num_rows, num_slots, N.
+    template <uint32_t BLOCK_N>
+    __device__ __forceinline__ Prefetch prefetch(const EpilogueTile<BLOCK_N, false>& tile, __nv_bfloat16* const&,
+                                                 const int* const& row_to_slot, const float* const&,
+                                                 const uint32_t& num_rows, const uint32_t&, const uint32_t&) const {
+        auto load = [&](uint32_t row) -> int32_t { return row < num_rows ? __ldg(row_to_slot + row) : -1; };
+        Prefetch pre;
+#pragma unroll
+        for (uint32_t i = 0; i < kRowsPerThread; ++i)
+            pre.dst_slot[i] = load(tile.row + thread / 8 + 16 * i);
+        // The two accumulator rows this thread holds: rows l/4 and l/4 + 8 of its warp's 16.
+        const uint32_t row0 = tile.row + (thread / 32) * 16 + (thread % 32) / 4;
+#pragma unroll
+        for (uint32_t j = 0; j < 2; ++j)
+            pre.acc_slot[j] = kWeighted ? load(row0 + 8 * j) : -1;
+        return pre;
+    }
+
     template <uint32_t kNumAccum, uint32_t BLOCK_N>
     __device__ __forceinline__ void operator()(const float (&acc)[kNumAccum], const EpilogueTile<BLOCK_N, false>& tile,
-                                               __nv_bfloat16* const& out, const int* const& row_to_slot,
-                                               const float* const& weights, const uint32_t& num_rows,
+                                               const Prefetch& pre, __nv_bfloat16* const& out,
+                                               const int* const&, const float* const& weights, const uint32_t&,
                                                const uint32_t& num_slots, const uint32_t& shape_n) {
-        auto slot_of = [&](uint32_t row) -> int32_t {
-            const int s = row < num_rows ? __ldg(row_to_slot + row) : -1;
-            return s >= 0 && static_cast<uint32_t>(s) < num_slots ? s : -1;
-        };
-        // Destination slots of the rows this thread stores.
+        // Padding rows (-1) and slots past out are not stored.
+        auto valid = [&](int32_t s) -> int32_t { return s >= 0 && static_cast<uint32_t>(s) < num_slots ? s : -1; };
         const uint32_t col16 = thread % 8;
         int32_t dst_slot[kRowsPerThread];
 #pragma unroll
         for (uint32_t i = 0; i < kRowsPerThread; ++i)
-            dst_slot[i] = slot_of(tile.row + thread / 8 + 16 * i);
-        // Weights of the two accumulator rows this thread holds (rows l/4 and l/4 + 8 of its warp's 16).
+            dst_slot[i] = valid(pre.dst_slot[i]);
         float w[2] = {1.0f, 1.0f};
         if constexpr (kWeighted) {
-            const uint32_t row0 = tile.row + (thread / 32) * 16 + (thread % 32) / 4;
 #pragma unroll
             for (uint32_t j = 0; j < 2; ++j) {
-                const int32_t s = slot_of(row0 + 8 * j);
+                const int32_t s = valid(pre.acc_slot[j]);
                 w[j] = s >= 0 ? __ldg(weights + s) : 0.0f;
             }
         }

@@ -8,6 +8,10 @@
 //   template <uint32_t kNumAccum, class Tile> void operator()(const float (&acc)[kNumAccum],
 //                                                            const Tile&, const EpiArgs&...);
 //   void finish();                                         before the CTA exits
+// Optionally, state read before the tile's mainloop (the core holds it in registers across it):
+//   struct Prefetch;
+//   template <class Tile> Prefetch prefetch(const Tile&, const EpiArgs&...) const;
+// and then operator() takes (acc, tile, const Prefetch&, EpiArgs...).
 // operator() is called once per 64-row slice a warpgroup holds (fp32 accumulators in the wgmma
 // fragment layout) and may use the warpgroup's named barrier kEpilogueBarrierBase + warpgroup.
 // The extra kernel arguments (EpiArgs...) are forwarded by reference, so CUtensorMap arguments

@@ -46,6 +46,7 @@
 // larger operand of the 128 x 256 tile.
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -76,6 +77,21 @@ struct DropArgs<0> {
     __device__ __forceinline__ static void apply(F&& f, const Rest&... rest) {
         f(rest...);
     }
+};
+
+// An epilogue's per-slice state read before the tile's mainloop (Epilogue::Prefetch, e.g. the
+// destination rows of a combine epilogue), so that its global loads are in flight under the wgmmas
+// instead of after them; NoPrefetch where the epilogue defines none.
+struct NoPrefetch {};
+template <class E, class = void>
+struct PrefetchOf {
+    using Type = NoPrefetch;
+    static constexpr bool kEnabled = false;
+};
+template <class E>
+struct PrefetchOf<E, std::void_t<typename E::Prefetch>> {
+    using Type = typename E::Prefetch;
+    static constexpr bool kEnabled = true;
 };
 
 // The producer's loader: the constructor takes the loader's leading kernel arguments, if any
@@ -147,7 +163,6 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     // the constant lets the scheduler and the mainloop know the trip count.
     if constexpr (Traits::kShapeK != 0)
         shape_k = Traits::kShapeK;
-
     if (warpgroup == kNumConsumerWarpgroups) {
         // Producer warpgroup: the threads the loader names walk the tiles and fill the ring.
         ptx::setmaxnreg_dec<kProducerRegisters>();
@@ -211,6 +226,28 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
                     acc[s][i] = 0.0f;
             }
+            auto epi_tile = [&](uint32_t s) {
+                const uint32_t tile_row = Traits::kType == GroupedGemmType::MGroupedContiguous
+                                              ? t.m_block * BLOCK_M
+                                              : t.expert * shape_m + t.m_block * BLOCK_M;
+                return EpilogueTile<Traits::BLOCK_N, Traits::kPairedN>{
+                    Columns(t.n_block, shape_n), tile_row + (first_slice + s) * 64, t.m_block, t.n_block, t.expert};
+            };
+            // The epilogue's own arguments: the kernel's extra arguments after the leading ones.
+            auto with_epilogue_args = [&](const auto& f) {
+                if constexpr (kLeadingArgs == 0)
+                    f(extra_args...);
+                else
+                    DropArgs<kLeadingArgs>::apply(f, extra_args...);
+            };
+            using Prefetch = PrefetchOf<Epilogue>;
+            typename Prefetch::Type prefetched[kSlices];
+            if constexpr (Prefetch::kEnabled) {
+#pragma unroll
+                for (uint32_t s = 0; s < kSlices; ++s)
+                    with_epilogue_args(
+                        [&](const auto&... rest) { prefetched[s] = epilogue.prefetch(epi_tile(s), rest...); });
+            }
             if (wait_turn)
                 ptx::named_barrier_sync(kMainloopTurnBarrierBase + warpgroup, 256);
             const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, first_slice, lane);
@@ -219,9 +256,6 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 ptx::named_barrier_arrive(kMainloopTurnBarrierBase + (warpgroup ^ 1), 256);
             MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
 
-            const uint32_t tile_row = Traits::kType == GroupedGemmType::MGroupedContiguous
-                                          ? t.m_block * BLOCK_M
-                                          : t.expert * shape_m + t.m_block * BLOCK_M;
             // A duplicate of the cluster partner's tile (scheduler): run for the barriers, not stored.
             if constexpr (kClusterN > 1) {
                 if (!t.store)
@@ -229,13 +263,10 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
 #pragma unroll
             for (uint32_t s = 0; s < kSlices; ++s) {
-                const EpilogueTile<Traits::BLOCK_N, Traits::kPairedN> epi_tile{
-                    Columns(t.n_block, shape_n), tile_row + (first_slice + s) * 64, t.m_block, t.n_block, t.expert};
-                if constexpr (kLeadingArgs == 0)
-                    epilogue(acc[s], epi_tile, extra_args...);
+                if constexpr (Prefetch::kEnabled)
+                    with_epilogue_args([&](const auto&... rest) { epilogue(acc[s], epi_tile(s), prefetched[s], rest...); });
                 else
-                    DropArgs<kLeadingArgs>::apply([&](const auto&... rest) { epilogue(acc[s], epi_tile, rest...); },
-                                                   extra_args...);
+                    with_epilogue_args([&](const auto&... rest) { epilogue(acc[s], epi_tile(s), rest...); });
             }
         };
         if constexpr (!Traits::kPingpong) {
