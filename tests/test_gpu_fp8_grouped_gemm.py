@@ -222,9 +222,9 @@ def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(epilogue, mainloop):
     # Same stage bytes as bf16's 128-wide tile (a 128 x 128 e4m3 k-block is 128 x 128 bytes), 5 stages
     # of them, each with its 528 bytes of scales (128 row scales, the B scale, padding), after the
     # epilogue's 32 KiB: 5 x 32 KiB + 32 KiB + 5 x 528 B, the barriers' 1024-byte alignment, 80 bytes of
-    # barriers and the 1024 of the run-time alignment.
+    # barriers, the scheduler's 1024-byte expert table and the 1024 of the run-time alignment.
     assert config.stages == 5 and gg.GemmConfig("nt", 128).stages == 6
-    assert config.smem_bytes() == (5 * 32 + 32) * 1024 + 3072 + 80 + 1024 == 200784
+    assert config.smem_bytes() == (5 * 32 + 32) * 1024 + 3072 + 80 + 1024 + 1024 == 201808
     entry = jit.compile_cached(config.name, config.code(), want_ptx=True)
     ptx = entry.ptx_path.read_text()
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
@@ -806,8 +806,9 @@ def test_static_k_kernel_unrolls_its_k_loop():
     config = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", shape_k=2048)
     kernel = _build(config)
     assert all(u.spill_bytes == 0 for u in kernel.resources()), config.name
-    # 4 stages, the epilogue's 32 KiB, 4 x 528 bytes of scales, rounded up to 1 KiB; 64 bytes of barriers.
-    assert config.smem_bytes() == -(-((4 * 32 + 32) * 1024 + 4 * 528) // 1024) * 1024 + 64 + 1024 == 168000
+    # 4 stages, the epilogue's 32 KiB, 4 x 528 bytes of scales, rounded up to 1 KiB; 64 bytes of barriers,
+    # the scheduler's expert table, the run-time alignment.
+    assert config.smem_bytes() == -(-((4 * 32 + 32) * 1024 + 4 * 528) // 1024) * 1024 + 64 + 1024 + 1024 == 169024
     if _CUOBJDUMP is None:
         pytest.skip("cuobjdump not installed: compile checked, SASS not")
     sass = subprocess.run([_CUOBJDUMP, "--dump-sass", str(kernel.cubin_path)], check=True, capture_output=True,

@@ -76,8 +76,8 @@ def test_pack_args_checks_every_declared_type():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_smem_is_read_from_the_kernel():
     # SmemLayout<BLOCK_N, stages, EpilogueStoreBF16>::kTotalBytes, as exported by the kernel source.
-    assert gg.GemmConfig("nt", 256).smem_bytes() == 230464
-    assert gg.GemmConfig("nt", 128).smem_bytes() == 230496
+    assert gg.GemmConfig("nt", 256).smem_bytes() == 231488
+    assert gg.GemmConfig("nt", 128).smem_bytes() == 231520
 
 
 def test_block_n_choice():
@@ -140,6 +140,38 @@ def test_nt(routing, n, k):
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, out)
     _check_m_grouped(out, lambda e, ae: ae @ b[e].float().T, a, starts, ends)
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_experts", [1, 255, 256, 257, 600])
+def test_nt_expert_ranges_with_gaps(num_experts):
+    # The scheduler finds each 128-row block's expert in the ranges staged in shared memory (up to
+    # sched::kStagedExperts = 256 experts) or in global memory (more): the same tiles either way. Ranges
+    # of 0-3 blocks with unowned blocks between some of them: those rows and the rows past the last
+    # range stay unwritten.
+    g = torch.Generator().manual_seed(num_experts)
+    blocks = torch.randint(0, 4, (num_experts,), generator=g)
+    gaps = torch.randint(0, 2, (num_experts,), generator=g) * (torch.rand(num_experts, generator=g) < 0.3)
+    starts_h, ends_h, row = [], [], 0
+    for e in range(num_experts):
+        row += 128 * int(gaps[e])
+        starts_h.append(row)
+        row += 128 * int(blocks[e])
+        ends_h.append(row)
+    rows, n, k = row + 256, 192, 256
+    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
+    b = (torch.randn(num_experts, n, k, generator=g) / k ** 0.5).cuda().to(torch.bfloat16)
+    starts = torch.tensor(starts_h, dtype=torch.int32, device="cuda")
+    ends = torch.tensor(ends_h, dtype=torch.int32, device="cuda")
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, out)
+    owned = torch.zeros(rows, dtype=torch.bool)
+    for e, (s, t) in enumerate(zip(starts_h, ends_h)):
+        if t > s:
+            owned[s:t] = True
+            err = _rel_err(out[s:t], a[s:t].float() @ b[e].float().T)
+            assert err < 5e-3, f"expert {e}: rel error {err:.2e}"
+    assert torch.isnan(out[~owned.cuda()].float()).all(), "rows no expert owns were written"
 
 
 @requires_hopper

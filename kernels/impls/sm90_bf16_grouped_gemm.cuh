@@ -163,6 +163,19 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     // the constant lets the scheduler and the mainloop know the trip count.
     if constexpr (Traits::kShapeK != 0)
         shape_k = Traits::kShapeK;
+    // M-grouped: the experts' block ranges in shared memory for every scheduler below, where they fit.
+    // Not with the cp.async gathers, whose four warps run the loader on the producer's 40 registers:
+    // with the staging in the kernel, those spilled.
+    uint32_t expert_table = 0;
+    if constexpr (Traits::kType == GroupedGemmType::MGroupedContiguous && Load::kCopyArrivals == 0) {
+        const uint32_t table = smem + Layout::kExpertTableOffset;
+        const bool fits = num_experts <= sched::kStagedExperts;
+        const bool ok = fits && sched::stage_expert_blocks<BLOCK_M>(table, starts, ends, num_experts, threadIdx.x,
+                                                                    kNumThreads);
+        if (__syncthreads_and(ok))
+            expert_table = table;
+    }
+
     if (warpgroup == kNumConsumerWarpgroups) {
         // Producer warpgroup: the threads the loader names walk the tiles and fill the ring.
         ptx::setmaxnreg_dec<kProducerRegisters>();
@@ -178,6 +191,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                                 cta_rank);
             if constexpr (Load::kOrderedM)
                 scheduler.m_order = Load::m_order(extra_args...);
+            scheduler.expert_table = expert_table;
             sm90::PipelineState<Traits::kNumStages> st;
             sched::GroupedTile tile;
             while (scheduler.next(tile)) {
@@ -196,6 +210,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 // The same tiles in the same order as the loader and the consumers.
                 Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin,
                                     unit_stride, cta_rank);
+                scheduler.expert_table = expert_table;
                 const typename MMA::Params mainloop_params(smem + Layout::kMainloopOffset, shape_m, shape_n, shape_k,
                                                            extra_args...);
                 MMA::produce(pipe, scheduler, mainloop_params, lane);
@@ -208,6 +223,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                             cta_rank);
         if constexpr (Load::kOrderedM)  // the producer's order: both walk the same tiles
             scheduler.m_order = Load::m_order(extra_args...);
+        scheduler.expert_table = expert_table;
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
         // The mainloop reads its leading kernel arguments; the epilogue gets the rest.
         const typename MMA::Params mainloop_params(smem + Layout::kMainloopOffset, shape_m, shape_n, shape_k,

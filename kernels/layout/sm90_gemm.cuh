@@ -149,7 +149,8 @@ struct StageLayout {
 };
 
 // Dynamic shared memory: the stages, the epilogue's buffers, the mainloop's own bytes (kMainloopBytes:
-// the fp8 mainloop's staged scales, Mainloop::kSmemBytes), then the pipeline barriers. This is the one
+// the fp8 mainloop's staged scales, Mainloop::kSmemBytes), then the pipeline barriers and the
+// scheduler's expert table. This is the one
 // definition of the launch's byte count: the JIT source exports kTotalBytes (DGE_EXPORT_SMEM_BYTES)
 // and the host reads it from the cubin.
 template <uint32_t BLOCK_N, uint32_t kNumStages, class Epilogue, uint32_t kMainloopBytes = 0>
@@ -159,8 +160,10 @@ struct SmemLayout {
     static constexpr uint32_t kMainloopOffset = (kEpilogueOffset + Epilogue::kSmemBytes + 127) / 128 * 128;
     static constexpr uint32_t kBarrierOffset = (kMainloopOffset + kMainloopBytes + 1023) / 1024 * 1024;
     static constexpr uint32_t kBarrierBytes = 2 * kNumStages * 8;
+    // The experts' block ranges the M-grouped scheduler searches (sched::stage_expert_blocks).
+    static constexpr uint32_t kExpertTableOffset = kBarrierOffset + kBarrierBytes;
     // +1024: the dynamic smem base is aligned up to 1024 bytes at run time (128B swizzle atoms).
-    static constexpr uint32_t kTotalBytes = kBarrierOffset + kBarrierBytes + 1024;
+    static constexpr uint32_t kTotalBytes = kExpertTableOffset + sched::kStagedExpertBytes + 1024;
     static_assert(kTotalBytes <= 232448, "SmemLayout: tile, stages and epilogue exceed the 227 KiB of an SM90 CTA");
 };
 

@@ -3,7 +3,8 @@
 //
 // M-grouped (forward, dgrad): the pool's 128-row blocks are the M tiles; expert e owns the pool
 // rows [starts[e], ends[e]) (multiples of BLOCK_M), so each block maps to one expert, found by a
-// binary search over `ends` (owning_expert); blocks past ends[E-1] are not scheduled and blocks
+// binary search over the ranges (owning_expert_staged on the kernel's shared-memory copy of them, or
+// owning_expert on `ends` in global memory); blocks past ends[E-1] are not scheduled and blocks
 // owned by no expert are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all N blocks, so the
 // CTAs resident at one time share A blocks and expert weights in L2.
 //
@@ -57,6 +58,49 @@ __device__ __forceinline__ uint32_t owning_expert(const int* starts, const int* 
     return lo < num_experts && static_cast<uint32_t>(__ldg(starts + lo)) <= row ? lo : num_experts;
 }
 
+// The experts' block ranges staged in shared memory for owning_expert_staged (M-grouped GEMMs, at most
+// kStagedExperts experts): entry e is (floor(starts[e] / BLOCK_M) << 16) | ceil(ends[e] / BLOCK_M), both
+// below 2^16, so that for a block m, ends[e] > m * BLOCK_M exactly when the low half is > m and
+// starts[e] <= m * BLOCK_M exactly when the high half is <= m: the same expert as owning_expert's.
+// Why: every tile of every warp that walks the tiles starts with this search, 8 dependent loads for 128
+// experts; from shared memory they are short and do not depend on what L1 still holds.
+constexpr uint32_t kStagedExperts = 256;
+constexpr uint32_t kStagedExpertBytes = kStagedExperts * 4;
+
+template <uint32_t BLOCK_M>
+__device__ __forceinline__ bool stage_expert_blocks(uint32_t table, const int* starts, const int* ends,
+                                                    uint32_t num_experts, uint32_t thread, uint32_t num_threads) {
+    bool ok = true;
+    for (uint32_t e = thread; e < num_experts; e += num_threads) {
+        const int s = __ldg(starts + e), t = __ldg(ends + e);
+        constexpr int kMaxRow = 65535 * static_cast<int>(BLOCK_M);
+        if (s < 0 || t < 0 || s > kMaxRow || t > kMaxRow) {
+            ok = false;
+            continue;
+        }
+        const uint32_t entry = (static_cast<uint32_t>(s) / BLOCK_M << 16) | ceil_div(static_cast<uint32_t>(t), BLOCK_M);
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * e), "r"(entry) : "memory");
+    }
+    return ok;
+}
+
+__device__ __forceinline__ uint32_t owning_expert_staged(uint32_t table, uint32_t num_experts, uint32_t m_block) {
+    auto entry = [&](uint32_t e) {
+        uint32_t v;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(table + 4 * e));
+        return v;
+    };
+    uint32_t lo = 0, hi = num_experts;
+    while (lo < hi) {
+        const uint32_t mid = (lo + hi) / 2;
+        if ((entry(mid) & 0xffffu) > m_block)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo < num_experts && (entry(lo) >> 16) <= m_block ? lo : num_experts;
+}
+
 // kOrderedM (M-grouped, no clusters): the M blocks are walked in the order m_order[0 .. num_m_blocks)
 // (a permutation of the used blocks, set by the kernel after construction) instead of 0, 1, ...: the
 // L1 GEMM overlapped with the expert-parallel dispatch walks them in the order their rows arrive.
@@ -83,6 +127,9 @@ struct GroupedScheduler {
     uint32_t stride;
     uint32_t cta_rank;
     const int* m_order = nullptr;  // kOrderedM only
+    // M-grouped: the smem address of the staged expert ranges (stage_expert_blocks), 0 when they are
+    // not staged; set by the kernel after construction.
+    uint32_t expert_table = 0;
 
     __device__ GroupedScheduler(const int* starts_, const int* ends_, uint32_t num_experts_, uint32_t shape_m,
                                 uint32_t num_n_blocks_, uint32_t shape_k, uint32_t unit_begin,
@@ -99,6 +146,11 @@ struct GroupedScheduler {
             num_m_units = ceil_div(num_m_blocks, kUnitM);
             num_tiles = num_experts * num_m_units * num_n_blocks;
         }
+    }
+
+    __device__ __forceinline__ uint32_t expert_of(uint32_t m_block) const {
+        return expert_table != 0 ? owning_expert_staged(expert_table, num_experts, m_block)
+                                 : owning_expert(starts, ends, num_experts, m_block * BLOCK_M);
     }
 
     __device__ __forceinline__ bool next(GroupedTile& tile) {
@@ -119,14 +171,14 @@ struct GroupedScheduler {
                         tile.m_block = static_cast<uint32_t>(__ldg(m_order + m_unit));
                     else
                         tile.m_block = m_unit;
-                    tile.expert = owning_expert(starts, ends, num_experts, tile.m_block * BLOCK_M);
+                    tile.expert = expert_of(tile.m_block);
                     if (tile.expert >= num_experts)
                         continue;
                 } else {
                     const uint32_t m0 = m_unit * 2, m1 = m0 + 1;
-                    const uint32_t e0 = owning_expert(starts, ends, num_experts, m0 * BLOCK_M);
+                    const uint32_t e0 = expert_of(m0);
                     const uint32_t e1 =
-                        m1 < num_m_blocks ? owning_expert(starts, ends, num_experts, m1 * BLOCK_M) : num_experts;
+                        m1 < num_m_blocks ? expert_of(m1) : num_experts;
                     if (e0 >= num_experts && e1 >= num_experts)
                         continue;
                     const uint32_t mine = cta_rank == 0 ? e0 : e1;
