@@ -59,9 +59,10 @@ __device__ __forceinline__ uint32_t owning_expert(const int* starts, const int* 
 }
 
 // The experts' block ranges staged in shared memory for owning_expert_staged (M-grouped GEMMs, at most
-// kStagedExperts experts): entry e is (floor(starts[e] / BLOCK_M) << 16) | ceil(ends[e] / BLOCK_M), both
+// kStagedExperts experts): entry e is (ceil(starts[e] / BLOCK_M) << 16) | ceil(ends[e] / BLOCK_M), both
 // below 2^16, so that for a block m, ends[e] > m * BLOCK_M exactly when the low half is > m and
-// starts[e] <= m * BLOCK_M exactly when the high half is <= m: the same expert as owning_expert's.
+// starts[e] <= m * BLOCK_M exactly when the high half is <= m (x <= m and ceil(x) <= m agree for an
+// integer m, as x > m and ceil(x) > m do): the same expert as owning_expert's, aligned ranges or not.
 // Why: every tile of every warp that walks the tiles starts with this search, 8 dependent loads for 128
 // experts; from shared memory they are short and do not depend on what L1 still holds.
 constexpr uint32_t kStagedExperts = 256;
@@ -78,7 +79,8 @@ __device__ __forceinline__ bool stage_expert_blocks(uint32_t table, const int* s
             ok = false;
             continue;
         }
-        const uint32_t entry = (static_cast<uint32_t>(s) / BLOCK_M << 16) | ceil_div(static_cast<uint32_t>(t), BLOCK_M);
+        const uint32_t entry =
+            (ceil_div(static_cast<uint32_t>(s), BLOCK_M) << 16) | ceil_div(static_cast<uint32_t>(t), BLOCK_M);
         asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * e), "r"(entry) : "memory");
     }
     return ok;
