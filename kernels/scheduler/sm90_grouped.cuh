@@ -26,6 +26,8 @@
 
 #include <cstdint>
 
+#include <ptx/ld_st.cuh>
+
 namespace dge::sched {
 
 enum class GroupedGemmType : uint32_t { MGroupedContiguous = 0, KGroupedContiguous = 1 };
@@ -81,17 +83,13 @@ __device__ __forceinline__ bool stage_expert_blocks(uint32_t table, const int* s
         }
         const uint32_t entry =
             (ceil_div(static_cast<uint32_t>(s), BLOCK_M) << 16) | ceil_div(static_cast<uint32_t>(t), BLOCK_M);
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * e), "r"(entry) : "memory");
+        ptx::st_shared_u32(table + 4 * e, entry);
     }
     return ok;
 }
 
 __device__ __forceinline__ uint32_t owning_expert_staged(uint32_t table, uint32_t num_experts, uint32_t m_block) {
-    auto entry = [&](uint32_t e) {
-        uint32_t v;
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(table + 4 * e));
-        return v;
-    };
+    auto entry = [&](uint32_t e) { return ptx::ld_shared_u32(table + 4 * e); };
     uint32_t lo = 0, hi = num_experts;
     while (lo < hi) {
         const uint32_t mid = (lo + hi) / 2;
