@@ -112,6 +112,12 @@ def test_scatter_matches_pool_gemm(layout, routing, num_tokens, k, n):
     got_w = gemm(pool, b, meta.starts, meta.ends, _nan(num_slots, n),
                  scatter=gg.Scatter(meta.row_to_slot, num_slots, weights))
     assert torch.isnan(got_w[~used].float()).all()
+    # The same weights in pool order (NaN on padding rows, which are never stored): the same bits.
+    real = meta.row_to_slot >= 0
+    row_weights = torch.where(real, wflat[meta.row_to_slot.clamp(min=0).long()], float("nan"))
+    got_r = gemm(pool, b, meta.starts, meta.ends, _nan(num_slots, n),
+                 scatter=gg.Scatter(meta.row_to_slot, num_slots, row_weights=row_weights))
+    assert torch.equal(got_r[used], got_w[used]) and torch.isnan(got_r[~used].float()).all()
     # bf16(acc * w) against bf16(acc) * w: one bf16 rounding apart (2^-8 relative), plus tiny values.
     scaled = want[rows[used]].float() * wflat[used, None]
     assert torch.allclose(got_w[used].float(), scaled, rtol=2 ** -7, atol=1e-6)
@@ -148,13 +154,18 @@ def test_scatter_drops_out_of_range_slots_and_rows():
     ends = torch.tensor([128, 384], dtype=torch.int32, device="cuda")  # past the 256-row pool
     guard = _nan(8 + 64, n)  # 64 poisoned rows after the output catch stray stores
     out = guard[:8]
-    gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, starts, ends, out, scatter=gg.Scatter(row_to_slot, 8))
-    torch.cuda.synchronize()
-    assert torch.allclose(out[3].float(), pool[0].float() @ b[0].float().T, rtol=2e-2, atol=2e-2)
-    assert torch.allclose(out[5].float(), pool[128].float() @ b[1].float().T, rtol=2e-2, atol=2e-2)
     written = torch.zeros(8 + 64, dtype=torch.bool, device="cuda")
     written[[3, 5]] = True
-    assert torch.isnan(guard[~written].float()).all(), "a row outside the mapped slots was written"
+    # Slot-order weights are put in pool order on the device, where the slot past num_slots reads no weight.
+    weights = torch.tensor([0.5, 2.0, 0.25, 4.0, 1.0, 8.0, 0.125, 3.0], device="cuda")
+    for w in (None, weights):
+        guard.copy_(_nan(8 + 64, n))
+        gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, starts, ends, out, scatter=gg.Scatter(row_to_slot, 8, w))
+        torch.cuda.synchronize()
+        scale = (1.0, 1.0) if w is None else (4.0, 8.0)
+        assert torch.allclose(out[3].float(), scale[0] * (pool[0].float() @ b[0].float().T), rtol=2e-2, atol=2e-2)
+        assert torch.allclose(out[5].float(), scale[1] * (pool[128].float() @ b[1].float().T), rtol=2e-2, atol=2e-2)
+        assert torch.isnan(guard[~written].float()).all(), "a row outside the mapped slots was written"
 
 
 @requires_hopper
@@ -171,6 +182,15 @@ def test_scatter_argument_checks():
         gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, se, se, scatter=gg.Scatter(r2s, -1))
     with pytest.raises(ValueError, match="scatter.weights: expected a float32 tensor of num_slots=4"):
         gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, se, se, scatter=gg.Scatter(r2s, 4, torch.ones(3, device="cuda")))
+    with pytest.raises(ValueError, match=r"scatter.row_weights: expected a float32 tensor of one per pool row, 128"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, se, se, scatter=gg.Scatter(r2s, 4, row_weights=torch.ones(
+            4, device="cuda")))
+    with pytest.raises(ValueError, match=r"scatter.row_weights: expected a float32"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, se, se, scatter=gg.Scatter(r2s, 4, row_weights=torch.ones(
+            128, device="cuda", dtype=torch.float64)))
+    with pytest.raises(ValueError, match="weights and row_weights both given"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, se, se, scatter=gg.Scatter(
+            r2s, 4, torch.ones(4, device="cuda"), torch.ones(128, device="cuda")))
     with pytest.raises(ValueError, match=r"out: shape \(128, 128\), expected \(4, 128\)"):
         gg.m_grouped_bf16_gemm_nt_contiguous(pool, b, se, se, torch.empty(128, 128, dtype=torch.bfloat16,
                                                                           device="cuda"), scatter=gg.Scatter(r2s, 4))

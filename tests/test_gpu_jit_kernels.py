@@ -93,18 +93,21 @@ def test_routing_small_and_odd(num_tokens, align):
 
 @pytest.mark.parametrize("n_src,n", [(0, 5), (1, 1), (777, 4096), (139264, 131072)])
 def test_take_or_zero(n_src, n):
-    """out[i] = src[index[i]], 0 where index[i] = -1; NaN and Inf in src travel (they are data)."""
+    """out[i] = src[index[i]], 0 where index[i] is -1 or past src (read nowhere); NaN and Inf in src
+    travel (they are data)."""
     from deep_gemm_ext.jit_kernels import take_or_zero
 
     gen = torch.Generator().manual_seed(n_src + n)
     src = torch.randn(n_src, generator=gen)
     if n_src > 2:
         src[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
-    index = torch.randint(-1, max(n_src, 1), (n,), generator=gen, dtype=torch.int32) if n_src else \
-        torch.full((n,), -1, dtype=torch.int32)
+    index = torch.randint(-1, n_src + 2, (n,), generator=gen, dtype=torch.int32)
+    if n > 1:
+        index[:2] = torch.tensor([n_src, 2 ** 31 - 1])
     poison_cached_memory(0xFF)  # NaN floats: an element the kernel skipped would show
     got = take_or_zero(src.to(DEVICE), index.to(DEVICE)).cpu()
-    want = torch.where(index >= 0, src[index.clamp(min=0).long()] if n_src else 0.0, 0.0)
+    inside = (index >= 0) & (index < n_src)
+    want = torch.where(inside, src[index.clamp(0, max(n_src - 1, 0)).long()] if n_src else 0.0, 0.0)
     assert got.dtype == torch.float32 and got.shape == (n,)
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got.nan_to_num(), want.nan_to_num())
     with pytest.raises(ValueError, match="index"):

@@ -109,6 +109,7 @@ def test_checks_key_reads_everything_the_checks_read():
     idx = torch.zeros(8, dtype=torch.int32)
     assert checks_key(Gather(idx, 2)) != checks_key(Gather(idx, 2, "tma"))
     assert checks_key(Scatter(idx, 8)) != checks_key(Scatter(idx, 8, torch.zeros(8)))
+    assert checks_key(Scatter(idx, 8, torch.zeros(8))) != checks_key(Scatter(idx, 8, row_weights=torch.zeros(8)))
     assert checks_key(Gather(idx, 2, "cp_async", object())) is None  # awaited rows: always checked
     assert checks_key(Scatter("rows", 8)) is None and checks_key([1, 2]) is None and checks_key(1.0, {}) is None
     assert checks_key("m", a, ["unhashable"]) is None

@@ -46,7 +46,7 @@ _ZERO_PAST = ("zero_rows_past", _INCLUDE + "template __global__ void dge::zero_r
 
 
 _TAKE_OR_ZERO = ("take_or_zero_fp32", _INCLUDE + "template __global__ void dge::take_or_zero_kernel<float>"
-                                                 "(const float*, const int*, float*, long long);\n")
+                                                 "(const float*, long long, const int*, float*, long long);\n")
 
 
 @jit.register("gather_combine")
@@ -204,9 +204,8 @@ def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 def take_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``out[i] = src[index[i]]`` where ``index[i] >= 0``, 0 where it is -1: float32 ``src`` (1-D,
-    contiguous), int32 ``index`` with values in ``[-1, len(src))`` (routing maps; not checked on the host,
-    which would synchronise)."""
+    """``out[i] = src[index[i]]`` where ``0 <= index[i] < len(src)``, 0 elsewhere (-1: an unused slot or a
+    padding row of the routing maps): float32 ``src`` (1-D, contiguous), int32 ``index``."""
     _check_cuda("src", src)
     if src.dtype != torch.float32 or src.dim() != 1 or not src.is_contiguous():
         raise ValueError(f"src: expected a contiguous 1-D float32 tensor, got {src.dtype} {tuple(src.shape)}")
@@ -217,5 +216,6 @@ def take_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return out
     grid = (max(1, min(-(-n // _THREADS), jit.num_sms(src.device) * 4)), 1, 1)
     with jit.device_guard(src):
-        jit.build(*_TAKE_OR_ZERO).launch(grid, (_THREADS, 1, 1), (src, index, out, ctypes.c_int64(n)))
+        jit.build(*_TAKE_OR_ZERO).launch(grid, (_THREADS, 1, 1), (src, ctypes.c_int64(src.shape[0]), index, out,
+                                                                             ctypes.c_int64(n)))
     return out

@@ -7,7 +7,7 @@ the operand's natural layout (A [M, K], B [K, N]) and ``t`` for its transpose (A
     m_grouped_bf16_gemm_nn_contiguous(a [P, K], b [E, K, N])   out[r] = a[r] @ b[e]     dgrad
     k_grouped_bf16_gemm_tn_contiguous(a [P, M], b [P, N])      out[e] = a_e.T @ b_e     wgrad
 
-With ``scatter=Scatter(row_to_slot, T*K, weights)`` the M-grouped GEMMs write each pool row into its
+With ``scatter=Scatter(row_to_slot, T*K, weights or row_weights)`` the M-grouped GEMMs write each pool row into its
 token's top-k slot of a [T*K, N] output instead (kernels/epilogue/sm90_scatter_slots.cuh):
 the combine epilogue of the L2 forward (weighted) and the L1 dgrad, reduced by combine_slots.
 
@@ -34,6 +34,7 @@ import torch
 from .. import _env, jit
 from ..jit import KernelArg
 from ..routing import TOKEN_GROUP_ALIGNMENT
+from .gather_combine import take_or_zero
 from .swiglu import _check_clamp
 
 #: Rows per expert block the kernel assumes (its BLOCK_M): starts/ends must be multiples of it.
@@ -614,11 +615,12 @@ def checks_key(*items):
         if item is None or isinstance(item, torch.Tensor):
             parts.append(_tensor_key(item))
         elif type(item) is Scatter:
-            weights = item.weights
-            if not isinstance(item.row_to_slot, torch.Tensor) or not (weights is None or isinstance(weights, torch.Tensor)):
+            weights, row_weights = item.weights, item.row_weights
+            if not isinstance(item.row_to_slot, torch.Tensor) or not all(
+                    w is None or isinstance(w, torch.Tensor) for w in (weights, row_weights)):
                 return None
             parts.append(("scatter", _tensor_key(item.row_to_slot), type(item.num_slots), item.num_slots,
-                          _tensor_key(weights)))
+                          _tensor_key(weights), _tensor_key(row_weights)))
         elif type(item) is Gather:
             if item.await_rows is not None or not isinstance(item.row_to_slot, torch.Tensor):
                 return None
@@ -686,12 +688,23 @@ class Gather(NamedTuple):
 class Scatter(NamedTuple):
     """The combine epilogue of an M-grouped GEMM: pool row r of the output is written to row
     ``row_to_slot[r]`` (its token's top-k slot t*K + k) of a slot-ordered [num_slots, N] output,
-    times ``weights.reshape(-1)[slot]`` in fp32 before the one rounding to bf16 when ``weights``
-    ([T, K] fp32) is given. Padding rows (row_to_slot < 0) and slots past num_slots are not stored,
-    so the output rows of unused slots keep their contents (combine_slots skips them)."""
+    times its slot's weight in fp32 before the one rounding to bf16 when weights are given. Padding
+    rows (row_to_slot < 0) and slots past num_slots are not stored, so the output rows of unused slots
+    keep their contents (combine_slots skips them).
+
+    The weights come in one of two orders (at most one of the two fields): ``weights`` ([T, K] or
+    [num_slots] fp32) in slot order, or ``row_weights`` ([P] fp32, one per pool row) in pool order,
+    ``row_weights[r] = weights.reshape(-1)[row_to_slot[r]]`` (any value on rows that are not stored).
+    The kernel reads pool order, loading a row's weight before the tile's mainloop; slot-order weights
+    are put in that order first by one more launch (take_or_zero), the same bits."""
     row_to_slot: torch.Tensor
     num_slots: int
     weights: torch.Tensor | None = None
+    row_weights: torch.Tensor | None = None
+
+    @property
+    def weighted(self) -> bool:
+        return self.weights is not None or self.row_weights is not None
 
 
 def _check_scatter(scatter: Scatter | None, rows: int, device: torch.device) -> None:
@@ -708,14 +721,21 @@ def _check_scatter(scatter: Scatter | None, rows: int, device: torch.device) -> 
         raise ValueError(f"scatter.row_to_slot: on {scatter.row_to_slot.device}, expected {device}")
     if isinstance(scatter.num_slots, bool) or not isinstance(scatter.num_slots, int) or scatter.num_slots < 0:
         raise ValueError(f"scatter.num_slots={scatter.num_slots!r}: expected a non-negative int")
-    if scatter.weights is not None:
-        w = scatter.weights
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.numel() != scatter.num_slots:
-            raise ValueError(f"scatter.weights: expected a float32 tensor of num_slots={scatter.num_slots} elements, "
+    if scatter.weights is not None and scatter.row_weights is not None:
+        raise ValueError("scatter: weights and row_weights both given, expected at most one (the same weights in "
+                         "slot order or in pool order)")
+    for label, w, count, what in (("weights", scatter.weights, scatter.num_slots, f"num_slots={scatter.num_slots}"),
+                                  ("row_weights", scatter.row_weights, rows, f"one per pool row, {rows}")):
+        if w is None:
+            continue
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.numel() != count:
+            raise ValueError(f"scatter.{label}: expected a float32 tensor of {what} elements, "
                              f"got {w.dtype if isinstance(w, torch.Tensor) else type(w).__name__} "
                              f"{tuple(w.shape) if isinstance(w, torch.Tensor) else ''}")
+        if label == "row_weights" and w.dim() != 1:
+            raise ValueError(f"scatter.row_weights: shape {tuple(w.shape)}, expected ({rows},)")
         if w.device != device:
-            raise ValueError(f"scatter.weights: on {w.device}, expected {device}")
+            raise ValueError(f"scatter.{label}: on {w.device}, expected {device}")
 
 
 def _check_gather(gather: Gather | None) -> None:
@@ -882,7 +902,9 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
     """The kernel arguments of the store epilogue (a TMA map of ``out``) or of the slot-scatter one."""
     if scatter is None:
         return dict(tma_c=jit.make_tma_2d(out, 64, 64))
-    weights = scatter.weights.contiguous() if scatter.weights is not None else None
+    weights = scatter.row_weights
+    if weights is None and scatter.weights is not None:
+        weights = take_or_zero(scatter.weights.reshape(-1).contiguous(), scatter.row_to_slot)
     return dict(out=out, row_to_slot=scatter.row_to_slot, weights=weights, num_rows=rows,
                 num_slots=scatter.num_slots, out_cols=n)
 
@@ -941,7 +963,7 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
         return num_experts, k, rows, n, block_n, None
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
-    epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
+    epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, schedule=schedule,
                            cluster_n=cluster_n, epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule),
@@ -961,7 +983,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     hold columns j and N/2 + j together (the tiling a SwiGLU epilogue needs; N % 256 == 0).
     ``gather``: a is x [T, K] and the GEMM reads pool row r from ``x[row_to_slot[r] // top_k]``
     (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
-    row r of the product goes to out[row_to_slot[r]] (weighted when scatter.weights is given); see
+    row r of the product goes to out[row_to_slot[r]] (weighted when scatter has weights); see
     Scatter. ``schedule``: the consumer schedule (SCHEDULES), same bits under each. ``cluster_n``: CTAs
     per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks by multicast, without
     gather, paired_n or the ping-pong schedule), same bits under each. ``epilogue_buffers``: staging

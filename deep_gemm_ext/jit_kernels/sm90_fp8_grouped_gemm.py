@@ -189,7 +189,7 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
         return rows, n, k, num_experts, None
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
-    epilogue = "store" if scatter is None else "scatter" if scatter.weights is None else "scatter_weighted"
+    epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
     config = cached_config("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
                            cluster_n=cluster_n)
     if static_k:

@@ -5,13 +5,16 @@
 // [T*K, N] matrix, so the reduction that follows (combine_rows_kernel<.., kSlotOrder = true>) reads
 // each token's K rows as one contiguous block, in k order, with no float atomics.
 //
-//   EpilogueScatterSlots<false>   out[slot] = bf16(acc)
-//   EpilogueScatterSlots<true>    out[slot] = bf16(acc * weights[slot])    (the fp32 product, rounded once)
+//   EpilogueScatterSlots<false>   out[row_to_slot[r]] = bf16(acc[r])
+//   EpilogueScatterSlots<true>    out[row_to_slot[r]] = bf16(acc[r] * row_weights[r])  (the fp32 product, rounded once)
 //
-// Padding rows (row_to_slot < 0), rows past the pool and slots past out are not stored. Each
-// 64 x 64 chunk of the warpgroup's slice is staged in swizzled shared memory (stmatrix), then the
-// warpgroup stores it row by row: thread t moves the 16-byte column t % 8 of rows t / 8 + 16 i, so
-// each warp writes four whole 128-byte row segments per instruction.
+// The weights are in pool order (row_weights[r]: the weight of row r's slot), so a thread's two
+// weights are loaded before the mainloop with its rows' slots, independent of them. Padding rows
+// (row_to_slot < 0), rows past the pool and slots past out are not stored. Each 64 x 64 chunk of the
+// warpgroup's slice is staged in swizzled shared memory (stmatrix), then the warpgroup stores it row
+// by row: thread t moves the 16-byte column t % 8 of rows t / 8 + 16 i, so each warp writes four
+// whole 128-byte row segments per instruction; a thread reads its four rows of a chunk from shared
+// memory before it stores any of them, so the four loads are in flight together.
 //
 // kNumBuffers staging buffers per warpgroup (EpilogueScatterSlotsBuffers): 2 (EpilogueScatterSlots)
 // alternate chunk by chunk, one named-barrier sync per chunk; 4 hold the whole 64 x 256 slice, two
@@ -42,56 +45,55 @@ struct EpilogueScatterSlotsBuffers {
         : buffers(smem + warpgroup * kNumBuffers * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup),
           thread(thread_) {}
 
-    // The row_to_slot entries the epilogue of a slice needs, loaded before the tile's mainloop (the
+    // What the epilogue of a slice reads from global memory, loaded before the tile's mainloop (the
     // core's Prefetch hook) and first used after it, so that the loads are in flight under the wgmmas:
-    // the slots of the four rows this thread stores, and of its two accumulator rows (whose weights
-    // the weighted epilogue then loads). Loaded after the mainloop they were the first thing every
-    // tile's epilogue waited for, with the tensor cores idle (two dependent L2 round trips when
-    // weighted, one now). Raw values (-1 past the pool): checked where they are used.
+    // the slots of the four rows this thread stores, and the weights of its two accumulator rows.
+    // Loaded after the mainloop they were the first thing every tile's epilogue waited for, with the
+    // tensor cores idle (two dependent L2 round trips when the weights were read by slot). Raw slots
+    // (-1 past the pool): checked where they are used.
     struct Prefetch {
         int32_t dst_slot[kRowsPerThread];
-        int32_t acc_slot[2];
+        float acc_weight[2];
     };
 
     // Args: out [num_slots, N] bf16 (16-byte aligned, N % 8 == 0), row_to_slot [num_rows] int32,
-    // weights [num_slots] fp32 (read only when kWeighted), num_rows, num_slots, N.
+    // row_weights [num_rows] fp32 (read only when kWeighted), num_rows, num_slots, N.
     template <uint32_t BLOCK_N>
     __device__ __forceinline__ Prefetch prefetch(const EpilogueTile<BLOCK_N, false>& tile, __nv_bfloat16* const&,
-                                                 const int* const& row_to_slot, const float* const&,
+                                                 const int* const& row_to_slot, const float* const& row_weights,
                                                  const uint32_t& num_rows, const uint32_t&, const uint32_t&) const {
-        auto load = [&](uint32_t row) -> int32_t { return row < num_rows ? __ldg(row_to_slot + row) : -1; };
         Prefetch pre;
 #pragma unroll
-        for (uint32_t i = 0; i < kRowsPerThread; ++i)
-            pre.dst_slot[i] = load(tile.row + thread / 8 + 16 * i);
+        for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+            const uint32_t row = tile.row + thread / 8 + 16 * i;
+            pre.dst_slot[i] = row < num_rows ? __ldg(row_to_slot + row) : -1;
+        }
         // The two accumulator rows this thread holds: rows l/4 and l/4 + 8 of its warp's 16.
         const uint32_t row0 = tile.row + (thread / 32) * 16 + (thread % 32) / 4;
 #pragma unroll
-        for (uint32_t j = 0; j < 2; ++j)
-            pre.acc_slot[j] = kWeighted ? load(row0 + 8 * j) : -1;
+        for (uint32_t j = 0; j < 2; ++j) {
+            const uint32_t row = row0 + 8 * j;
+            pre.acc_weight[j] = kWeighted && row < num_rows ? __ldg(row_weights + row) : 1.0f;
+        }
         return pre;
     }
 
     template <uint32_t kNumAccum, uint32_t BLOCK_N>
     __device__ __forceinline__ void operator()(const float (&acc)[kNumAccum], const EpilogueTile<BLOCK_N, false>& tile,
                                                const Prefetch& pre, __nv_bfloat16* const& out,
-                                               const int* const&, const float* const& weights, const uint32_t&,
+                                               const int* const&, const float* const&, const uint32_t&,
                                                const uint32_t& num_slots, const uint32_t& shape_n) {
-        // Padding rows (-1) and slots past out are not stored.
-        auto valid = [&](int32_t s) -> int32_t { return s >= 0 && static_cast<uint32_t>(s) < num_slots ? s : -1; };
+        // Padding rows (-1) and slots past out are not stored. Each stored row's address is made once
+        // per slice; a chunk adds its column.
         const uint32_t col16 = thread % 8;
-        int32_t dst_slot[kRowsPerThread];
+        Rows rows;
 #pragma unroll
-        for (uint32_t i = 0; i < kRowsPerThread; ++i)
-            dst_slot[i] = valid(pre.dst_slot[i]);
-        float w[2] = {1.0f, 1.0f};
-        if constexpr (kWeighted) {
-#pragma unroll
-            for (uint32_t j = 0; j < 2; ++j) {
-                const int32_t s = valid(pre.acc_slot[j]);
-                w[j] = s >= 0 ? __ldg(weights + s) : 0.0f;
-            }
+        for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+            const int32_t s = pre.dst_slot[i];
+            rows.stored[i] = s >= 0 && static_cast<uint32_t>(s) < num_slots;
+            rows.ptr[i] = out + static_cast<uint64_t>(rows.stored[i] ? s : 0) * shape_n;
         }
+        const float(&w)[2] = pre.acc_weight;
         if constexpr (kNumBuffers == 2) {
 #pragma unroll
             for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
@@ -111,16 +113,8 @@ struct EpilogueScatterSlotsBuffers {
                 sm90::stage_chunk(buf, thread, packed);
                 ptx::named_barrier_sync(barrier_id, 128);
                 const uint32_t col = tile.cols.col(chunk) + 8 * col16;
-                if (col < shape_n) {
-#pragma unroll
-                    for (uint32_t i = 0; i < kRowsPerThread; ++i) {
-                        if (dst_slot[i] < 0)
-                            continue;
-                        const uint4 v =
-                            ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
-                        ptx::st_global_v4(out + static_cast<uint64_t>(dst_slot[i]) * shape_n + col, v);
-                    }
-                }
+                if (col < shape_n)
+                    store_rows(buf, rows, col);
                 slot ^= 1;
             }
         } else {
@@ -147,21 +141,33 @@ struct EpilogueScatterSlotsBuffers {
             for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
                 const uint32_t buf = buffers + chunk * kChunkBytes;
                 const uint32_t col = tile.cols.col(chunk) + 8 * col16;
-                if (col < shape_n) {
-#pragma unroll
-                    for (uint32_t i = 0; i < kRowsPerThread; ++i) {
-                        if (dst_slot[i] < 0)
-                            continue;
-                        const uint4 v =
-                            ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
-                        ptx::st_global_v4(out + static_cast<uint64_t>(dst_slot[i]) * shape_n + col, v);
-                    }
-                }
+                if (col < shape_n)
+                    store_rows(buf, rows, col);
             }
         }
     }
 
     __device__ __forceinline__ void finish() {}
+
+   private:
+    struct Rows {
+        __nv_bfloat16* ptr[kRowsPerThread];
+        bool stored[kRowsPerThread];
+    };
+
+    // This thread's four rows of a staged chunk: the four shared-memory loads first, then the stores of
+    // the rows that have a slot, predicated (a load of a row that is not stored reads staged data and is
+    // dropped).
+    __device__ __forceinline__ void store_rows(uint32_t buf, const Rows& rows, uint32_t col) const {
+        const uint32_t col16 = thread % 8;
+        uint4 v[kRowsPerThread];
+#pragma unroll
+        for (uint32_t i = 0; i < kRowsPerThread; ++i)
+            v[i] = ptx::ld_shared_v4(buf + sm90::swizzled_chunk_offset(thread / 8 + 16 * i, col16));
+#pragma unroll
+        for (uint32_t i = 0; i < kRowsPerThread; ++i)
+            ptx::st_global_v4_if(rows.stored[i], rows.ptr[i] + col, v[i]);
+    }
 };
 
 // The default: two staging buffers per warpgroup.

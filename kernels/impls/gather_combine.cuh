@@ -187,16 +187,17 @@ zero_rows_past_kernel(void* __restrict__ out, const int* __restrict__ ends, int 
         dst[v] = Vec{};
 }
 
-// out[i] = src[index[i]] where index[i] >= 0, else 0 (index in [-1, len(src))): the per-row top-k weights
-// of the pool (index row_to_slot) and d topk_weights in slot order (index slot_to_row) in one launch each.
+// out[i] = src[index[i]] where 0 <= index[i] < src_len, else 0: the per-row top-k weights of the pool (index
+// row_to_slot) and d topk_weights in slot order (index slot_to_row) in one launch each.
 template <typename T>
 __global__ void __launch_bounds__(kGatherCombineThreads)
-take_or_zero_kernel(const T* __restrict__ src, const int* __restrict__ index, T* __restrict__ out, i64 n) {
+take_or_zero_kernel(const T* __restrict__ src, i64 src_len, const int* __restrict__ index, T* __restrict__ out,
+                    i64 n) {
     grid_dependency_wait();
     const i64 step = static_cast<i64>(gridDim.x) * blockDim.x;
     for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
         const int j = index[i];
-        out[i] = j >= 0 ? src[j] : T(0);
+        out[i] = j >= 0 && j < src_len ? src[j] : T(0);
     }
 }
 

@@ -232,7 +232,10 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         sched::GroupedTile tile;
         constexpr uint32_t kSlices = Traits::kSlicesPerWarpgroup;
         // `wait_turn` / `pass_turn`: the ping-pong order of the two warpgroups' mainloops.
-        auto consume = [&](const sched::GroupedTile& t, uint32_t first_slice, bool wait_turn, bool pass_turn) {
+        // `during`: work the mainloop runs once while the tile's first k-block is in the tensor cores
+        // (the next tile's scheduling; mainloop contract in mma/sm90_mainloop.cuh).
+        auto consume = [&](const sched::GroupedTile& t, uint32_t first_slice, bool wait_turn, bool pass_turn,
+                           const auto& during) {
             // Zeroed rather than scale-d = 0 on the first wgmma: one definition of the accumulators
             // per tile keeps them in place across the loop, and empty K ranges store zeros.
             float acc[kSlices][MMA::kNumAccum];
@@ -266,7 +269,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
             if (wait_turn)
                 ptx::named_barrier_sync(kMainloopTurnBarrierBase + warpgroup, 256);
-            const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, first_slice, lane);
+            const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, first_slice, lane, during);
             // The last wgmmas are issued: the other warpgroup's mainloop may start.
             if (pass_turn)
                 ptx::named_barrier_arrive(kMainloopTurnBarrierBase + (warpgroup ^ 1), 256);
@@ -286,8 +289,36 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
         };
         if constexpr (!Traits::kPingpong) {
-            while (scheduler.next(tile))
-                consume(tile, warpgroup, false, false);
+            // The next tile is found while this one's first k-block runs, not between the two tiles with
+            // the tensor cores idle (the search and the index arithmetic were ~14% of a consumer's time
+            // at K = 768, ncu). A tile with no k-blocks runs no wgmma: its successor is found after it.
+            // Not in the fp8 kernels where the search, inlined beside two accumulator sets in flight,
+            // made ptxas spill: clusters of 2, K groups (per-column scales), and a whole tile unrolled
+            // per start stage (K compiled in, the ring not dividing its k-blocks) past 6 k-blocks
+            // (7 to 15 of them spilled 272-1276 bytes with the store epilogue).
+            constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
+            constexpr bool kLookahead =
+                !(Traits::kElement == ElementType::E4M3 &&
+                  (kClusterN > 1 || Traits::kType == GroupedGemmType::KGroupedContiguous ||
+                   (kUnrolledTile && Traits::kNumKBlocks > 6)));
+            if constexpr (kLookahead) {
+                bool have = scheduler.next(tile);
+                while (have) {
+                    sched::GroupedTile next;
+                    bool have_next = false, found = false;
+                    consume(tile, warpgroup, false, false, [&]() {
+                        have_next = scheduler.next(next);
+                        found = true;
+                    });
+                    if (!found)
+                        have_next = scheduler.next(next);
+                    tile = next;
+                    have = have_next;
+                }
+            } else {
+                while (scheduler.next(tile))
+                    consume(tile, warpgroup, false, false, [] {});
+            }
         } else {
             // Warpgroup w takes the CTA's tiles i with i % 2 == w and skips the others' stages. Tile i
             // waits for tile i - 1's mainloop to be issued; every turn passed is taken, so no
@@ -298,7 +329,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 sched::GroupedTile next;
                 const bool have_next = scheduler.next(next);
                 if (i % 2 == warpgroup)
-                    consume(tile, 0, i > 0, have_next);
+                    consume(tile, 0, i > 0, have_next, [] {});
                 else
                     st.advance(tile.num_k_blocks);
                 tile = next;

@@ -18,13 +18,14 @@
 //   template <class Pipe, class Scheduler> static void produce(const Pipe&, Scheduler&, const Params&,
 //       uint32_t lane);                      (kProducerArrivals > 0 only) fills its part of each stage
 //                                            for the scheduler's tiles, arriving on the full barriers
-//   template <uint32_t kSlices, class Pipe> static uint32_t mma(float (&acc)[kSlices][kNumAccum],
+//   template <uint32_t kSlices, class Pipe, class During> static uint32_t mma(float (&acc)[kSlices][kNumAccum],
 //       const Pipe&, PipelineState&, const GroupedTile&, const Params&, const StageLayout&,
-//       uint32_t first_slice, uint32_t lane);
+//       uint32_t first_slice, uint32_t lane, const During& during);
 //     adds the tile's num_k_blocks k-blocks for the 64-row slices first_slice .. first_slice +
 //     kSlices - 1 of the A stages into acc (zeroed by the caller), waiting on each stage's full
 //     barrier and freeing each stage once its wgmmas are done (the last one may stay held for
-//     finish), returns the last stage;
+//     finish), returns the last stage; calls during() once, after the first k-block's wgmmas are
+//     issued and before it waits for them (not at all when there are no k-blocks);
 //   template <uint32_t kSlices, class Pipe> static void finish(float (&acc)[kSlices][kNumAccum],
 //       const Pipe&, uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane);
 //     waits for wgmmas still in flight and frees the stage mma left held, if any.
@@ -60,11 +61,12 @@ struct MainloopBF16 {
         __device__ Params(uint32_t, uint32_t, uint32_t, uint32_t, const Args&...) {}
     };
 
-    template <uint32_t kSlices, class Pipe>
+    template <uint32_t kSlices, class Pipe, class During>
     __device__ __forceinline__ static uint32_t mma(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                    sm90::PipelineState<Traits::kNumStages>& st,
                                                    const sched::GroupedTile& tile, const Params&,
-                                                   const Stages& stages, uint32_t first_slice, uint32_t lane) {
+                                                   const Stages& stages, uint32_t first_slice, uint32_t lane,
+                                                   const During& during) {
         const uint32_t num_k_blocks = tile.num_k_blocks;
         uint32_t prev_stage = 0;
         for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
@@ -85,6 +87,8 @@ struct MainloopBF16 {
             }
             ptx::wgmma_commit_group();
             mma::fence_accumulators(acc);
+            if (kb == 0)
+                during();
             // Keep this k-block's wgmmas in flight; the previous one is done, free its stage.
             ptx::wgmma_wait_group<1>();
             if (kb > 0)

@@ -150,15 +150,16 @@ struct MainloopFP8 {
               n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock), last_col(shape_n > 0 ? shape_n - 1 : 0) {}
     };
 
-    template <uint32_t kSlices, class Pipe>
+    template <uint32_t kSlices, class Pipe, class During>
     __device__ __forceinline__ static uint32_t mma(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                    sm90::PipelineState<Traits::kNumStages>& st,
                                                    const sched::GroupedTile& tile, const Params& params,
-                                                   const Stages& stages, uint32_t first_slice, uint32_t lane) {
+                                                   const Stages& stages, uint32_t first_slice, uint32_t lane,
+                                                   const During& during) {
         if constexpr (kOverlapPromotion)
-            return mma_overlap(acc, pipe, st, tile, params, stages, first_slice, lane);
+            return mma_overlap(acc, pipe, st, tile, params, stages, first_slice, lane, during);
         else
-            return mma_serial(acc, pipe, st, tile, params, stages, first_slice, lane);
+            return mma_serial(acc, pipe, st, tile, params, stages, first_slice, lane, during);
     }
 
     // The producer warpgroup's second warp (M-grouped): each stage's scales, for the same tiles in
@@ -204,28 +205,28 @@ private:
     // two places where the tile's columns cross into the second weight block (kSplit: 8-column groups
     // of the fragment in the first block; n0 % 128 is 0 or 64), chosen once per tile, so the
     // promotion applies each group's scale without a select.
-    template <uint32_t kSlices, class Pipe>
+    template <uint32_t kSlices, class Pipe, class During>
     __device__ __forceinline__ static uint32_t mma_serial(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                           sm90::PipelineState<Traits::kNumStages>& st,
                                                           const sched::GroupedTile& tile, const Params& params,
                                                           const Stages& stages, uint32_t first_slice,
-                                                          uint32_t lane) {
+                                                          uint32_t lane, const During& during) {
         if constexpr (kTwoBlocksB) {
             if (tile.n_block * Traits::BLOCK_N % kScaleBlock == 0)
-                return serial_loop<kScaleBlock / 8>(acc, pipe, st, tile, params, stages, first_slice, lane);
+                return serial_loop<kScaleBlock / 8>(acc, pipe, st, tile, params, stages, first_slice, lane, during);
             else
-                return serial_loop<kScaleBlock / 16>(acc, pipe, st, tile, params, stages, first_slice, lane);
+                return serial_loop<kScaleBlock / 16>(acc, pipe, st, tile, params, stages, first_slice, lane, during);
         } else {
-            return serial_loop<0>(acc, pipe, st, tile, params, stages, first_slice, lane);
+            return serial_loop<0>(acc, pipe, st, tile, params, stages, first_slice, lane, during);
         }
     }
 
-    template <uint32_t kSplit, uint32_t kSlices, class Pipe>
+    template <uint32_t kSplit, uint32_t kSlices, class Pipe, class During>
     __device__ __forceinline__ static uint32_t serial_loop(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                            sm90::PipelineState<Traits::kNumStages>& st,
                                                            const sched::GroupedTile& tile, const Params& params,
                                                            const Stages& stages, uint32_t first_slice,
-                                                           uint32_t lane) {
+                                                           uint32_t lane, const During& during) {
         const float* sa_ptr[kSlices][2];
         ScalesBPtr sb_ptr;
         if constexpr (!kStagedScales)
@@ -260,6 +261,8 @@ private:
             ptx::wgmma_fence();
             issue_block(partial, desc, st.stage);
             mma::fence_accumulators(partial);
+            if (kb == 0)
+                during();
             // K-grouped: the next k-block's scales load while this one's wgmmas run.
             float next_sa[kSlices][2];
             ScalesB next_sb;
@@ -320,12 +323,12 @@ private:
 
     // The overlapping schedule (kOverlapPromotion; file comment). Same scale pointers, partial sums
     // and promotion as the serial one above.
-    template <uint32_t kSlices, class Pipe>
+    template <uint32_t kSlices, class Pipe, class During>
     __device__ __forceinline__ static uint32_t mma_overlap(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
                                                            sm90::PipelineState<Traits::kNumStages>& st,
                                                            const sched::GroupedTile& tile, const Params& params,
                                                            const Stages& stages, uint32_t first_slice,
-                                                           uint32_t lane) {
+                                                           uint32_t lane, const During& during) {
         const StagedScales scales = staged_scales(params, first_slice, lane);
         const DescBase desc(stages, first_slice);
 
@@ -355,6 +358,7 @@ private:
         // with different groups in flight on its two sides makes ptxas serialize the wgmmas.
         uint32_t stage = issue(partial[0], pipe, st, desc);
         read_scales(sa, sb, scales, stage);
+        during();
         uint32_t kb = 0;
         for (; kb + 2 < num_k_blocks; kb += 2) {
             overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, scales, stage, lane);

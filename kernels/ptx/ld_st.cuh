@@ -41,6 +41,12 @@ __device__ __forceinline__ void st_global_v4(void* ptr, const uint4& v) {
                  : "memory");
 }
 
+// The same store where `pred` holds, as one predicated instruction (no branch around it).
+__device__ __forceinline__ void st_global_v4_if(bool pred, void* ptr, const uint4& v) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %5, 0;\n\t@p st.global.v4.u32 [%0], {%1, %2, %3, %4};\n\t}"
+                 :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<uint32_t>(pred)) : "memory");
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     uint32_t packed;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
