@@ -103,7 +103,8 @@ def environ(values: dict):
                 os.environ[k] = v
 
 
-def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls: int = 1) -> float:
+def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls: int = 1,
+              after_repeat=None) -> float:
     """Median device time of ``fn()`` in milliseconds from CUDA events, after ``warmup`` calls.
 
     ``flush_l2`` writes 256 MiB before each repeat so every call starts with a cold L2.
@@ -112,7 +113,8 @@ def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls
     kernels, as inside a layer's step, so a kernel that takes far longer than its launch is timed
     without its host time. With 1 (the default) the window also holds the host time of the one
     call before its first kernel starts, which for a launcher with some host work and a kernel of
-    a millisecond or so is a visible share.
+    a millisecond or so is a visible share. ``after_repeat()`` (optional) runs after each repeat's
+    end event has completed, outside the timed window (e.g. GpuReadings.read).
     """
     global _L2_FLUSH
     if calls < 1:
@@ -132,7 +134,49 @@ def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
+        if after_repeat is not None:
+            after_repeat()
     return statistics.median(times)
+
+
+class GpuReadings:
+    """The SM clock (MHz) and the board's power draw (W) of the current CUDA device through NVML
+    (``nvidia-ml-py``), read by :meth:`read` between timed repeats: both are the driver's averages over
+    its last sample period (1/6 s to 1 s), so a read after a repeat describes the load of the repeats
+    before it, and the reads themselves stay out of the timed windows. ``available`` is False (and
+    :meth:`medians` gives Nones) where NVML cannot be used: no GPU, no ``pynvml``, no driver."""
+
+    def __init__(self):
+        self.clocks_mhz: list[int] = []
+        self.power_w: list[float] = []
+        self._nvml = self._handle = None
+        if not torch.cuda.is_available():
+            return
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+        except Exception:  # no pynvml, no driver, an index NVML does not know: no readings
+            self._nvml = self._handle = None
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def read(self) -> None:
+        if self._handle is None:
+            return
+        nvml = self._nvml
+        self.clocks_mhz.append(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM))
+        self.power_w.append(nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0)
+
+    def medians(self) -> tuple[float | None, float | None]:
+        """(median SM MHz, median W) of the reads so far, Nones without any."""
+        if not self.clocks_mhz:
+            return None, None
+        return statistics.median(self.clocks_mhz), statistics.median(self.power_w)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -9,7 +9,9 @@ on a small shape (y and the four gradients within 2e-2, 1e-1 for fp8); a row tha
 cannot run is printed as "not measured" with the reason. The first calls of each row (JIT kernels,
 torch.compile, Triton autotuning) run outside the timed repeats.
 
-TFLOP/s counts 6·T·K·H·I per forward and three times that for forward+backward. Writes JSON records
+TFLOP/s counts 6·T·K·H·I per forward and three times that for forward+backward. SM MHz and W are the
+medians of NVML's SM clock and power draw read after each forward+backward repeat (the driver's averages
+over its last sample period; "-" without nvidia-ml-py). Writes JSON records
 and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 
     python scripts/bench.py --json benchmarks/results/h200.json --png benchmarks/results/h200.png
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import _env  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe, liger_inputs, liger_unavailable_reason  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, Workload, environ, make_inputs, median_ms, rel_err  # noqa: E402
+from deep_gemm_ext.testing import (WORKLOADS, GpuReadings, Workload, environ, make_inputs, median_ms,  # noqa: E402
+                                   rel_err)
 
 
 def _ours(backend="auto", recipe="bf16"):
@@ -190,12 +193,15 @@ def _cpu_median_ms(fn, reps: int, warmup: int = 1) -> float:
 
 
 def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
-    """(forward ms, forward+backward ms, peak GiB, saved GiB); memory is None off the GPU. ``calls``:
-    back-to-back calls per timed repeat (``testing.median_ms``), the same for every row."""
+    """(forward ms, forward+backward ms, peak GiB, saved GiB, SM MHz, W); memory, clock and power are None
+    off the GPU (clock and power also without NVML: testing.GpuReadings, read after each forward+backward
+    repeat). ``calls``: back-to-back calls per timed repeat (``testing.median_ms``), the same for every row."""
     x, idx, w, l1, l2 = inputs
     args = impl.prepare(*inputs)
     dy = torch.randn_like(x)
-    timer = (lambda fn, reps: median_ms(fn, reps, calls=calls)) if device == "cuda" else _cpu_median_ms
+    readings = GpuReadings() if device == "cuda" else None
+    timer = (lambda fn, reps, after=None: median_ms(fn, reps, calls=calls, after_repeat=after)) if device == "cuda" \
+        else (lambda fn, reps, after=None: _cpu_median_ms(fn, reps))
 
     def fwd_bwd():
         y = impl.fn(*args)
@@ -207,9 +213,10 @@ def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
     fwd_bwd()
     with torch.no_grad():
         fwd = timer(lambda: impl.fn(*args), reps)
-    fwdbwd = timer(fwd_bwd, reps)
+    fwdbwd = timer(fwd_bwd, reps, readings.read if readings is not None else None)
     if device != "cuda":
-        return fwd, fwdbwd, None, None
+        return fwd, fwdbwd, None, None, None, None
+    sm_mhz, power_w = readings.medians()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -223,7 +230,7 @@ def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
     torch.cuda.synchronize()
     saved = (torch.cuda.memory_allocated() - before) / 2**30
     del y
-    return fwd, fwdbwd, peak, saved
+    return fwd, fwdbwd, peak, saved, sm_mhz, power_w
 
 
 def git_commit() -> str:
@@ -283,15 +290,15 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def print_table(records) -> None:
     print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm "
-          "| x compiled grouped_mm | peak GiB | saved GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| x compiled grouped_mm | peak GiB | saved GiB | SM MHz | W |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         if "skipped" in r:
             continue
         print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} "
               f"| {r['fwdbwd_ms']:.3f} | {r['tflops']:.0f} | {_fmt(r['ratio_vs_grouped_mm'], '.2f', 'x')} "
               f"| {_fmt(r['ratio_vs_compiled_grouped_mm'], '.2f', 'x')} | {_fmt(r['peak_gib'], '.2f')} "
-              f"| {_fmt(r['saved_gib'], '.2f')} |")
+              f"| {_fmt(r['saved_gib'], '.2f')} | {_fmt(r.get('sm_mhz'), '.0f')} | {_fmt(r.get('power_w'), '.0f')} |")
 
 
 def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: str, meta: dict,
@@ -315,7 +322,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                 if not worst < bound:  # NaN fails too
                     raise RuntimeError("disagrees with the fp64 reference on the check shape: " + ", ".join(
                         f"{k} {v:.2e}" for k, v in errors.items()) + f" (expected < {bound})")
-                fwd, fwdbwd, peak, saved = bench_one(impl, inputs, reps, device, calls)
+                fwd, fwdbwd, peak, saved, sm_mhz, power_w = bench_one(impl, inputs, reps, device, calls)
         except Exception as exc:  # reported in the output and the records, never dropped silently
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             rows[key] = dict(record, skipped="; ".join([*impl.notes, f"{type(exc).__name__}: {first}"]))
@@ -325,6 +332,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                          tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
                          peak_gib=None if peak is None else round(peak, 3),
                          saved_gib=None if saved is None else round(saved, 3),
+                         sm_mhz=sm_mhz, power_w=None if power_w is None else round(power_w, 1),
                          check_max_rel_err=float(f"{worst:.3e}"), notes=list(impl.notes))
         # As soon as it is measured: a run cut short still shows the rows it timed.
         print(f"{wl.name}: {label(record)} timed: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms", flush=True)

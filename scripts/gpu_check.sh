@@ -9,7 +9,8 @@
 #   OLD_TREE=/path/to/older/tree  compare: y and gradients bit for bit against that tree (--hash-only)
 #   BENCH_ARGS="--workloads ..."  extra arguments of scripts/bench.py
 #   TEST_WORKERS=6                pytest-xdist workers of the tests step
-#   a wheel .whl/liger_kernel-*.whl (pure Python) is unpacked onto PYTHONPATH for the Liger rows
+#   a wheel .whl/liger_kernel-*.whl (pure Python) is unpacked onto PYTHONPATH for the Liger rows,
+#   .whl/nvidia_ml_py-*.whl for bench.py's SM clock and power columns (where pynvml is missing)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/dge_gpu_check}}
@@ -28,6 +29,13 @@ for wheel in .whl/liger_kernel-*.whl; do
   [ -f "$wheel" ] || continue
   python3 -m zipfile -e "$wheel" /tmp/dge_liger && export PYTHONPATH=/tmp/dge_liger${PYTHONPATH:+:$PYTHONPATH}
   note "liger: $(python3 -c 'import liger_kernel.ops as o; print("importable from", o.__file__)' 2>&1 | tail -1)"
+done
+# nvidia-ml-py (pure Python) for the benchmark's SM clock and power columns, where python3 lacks pynvml
+for wheel in .whl/nvidia_ml_py-*.whl; do
+  [ -f "$wheel" ] || continue
+  python3 -c "import pynvml" 2>/dev/null && break
+  python3 -m zipfile -e "$wheel" /tmp/dge_nvml && export PYTHONPATH=/tmp/dge_nvml${PYTHONPATH:+:$PYTHONPATH}
+  note "nvml: $(python3 -c 'import pynvml; print("importable from", pynvml.__file__)' 2>&1 | tail -1)"
 done
 if has build; then
   timeout 600 python3 -m deep_gemm_ext.jit build --arch sm_90a --all -j "$(nproc)" > "$out/jit_build.log" 2>&1 \
