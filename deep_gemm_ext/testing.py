@@ -169,8 +169,14 @@ class GpuReadings:
         if self._handle is None:
             return
         nvml = self._nvml
-        self.clocks_mhz.append(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM))
-        self.power_w.append(nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0)
+        try:
+            clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
+            power = nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+        except Exception:  # a query this GPU does not support: no more reads, never a failed benchmark row
+            self._handle = None
+            return
+        self.clocks_mhz.append(clock)
+        self.power_w.append(power)
 
     def medians(self) -> tuple[float | None, float | None]:
         """(median SM MHz, median W) of the reads so far, Nones without any."""

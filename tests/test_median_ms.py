@@ -66,3 +66,20 @@ def test_gpu_readings_without_nvml(monkeypatch):
     assert not readings.available and readings.medians() == (None, None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not GpuReadings().available
+
+
+def test_gpu_readings_stop_at_an_unsupported_query(monkeypatch):
+    fake = _fake_nvml([1500, 1400], [600000], [])
+
+    def unsupported(handle):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda d: d)
+    readings = GpuReadings()
+    readings.read()
+    fake.nvmlDeviceGetPowerUsage = unsupported
+    readings.read()  # no exception: the readings end, the ones taken stay
+    readings.read()
+    assert not readings.available and readings.medians() == (1500, 600.0)
