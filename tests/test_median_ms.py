@@ -43,12 +43,17 @@ def _fake_nvml(clocks, milliwatts, index_seen):
     return fake
 
 
+def _install(monkeypatch, fake, cuda_index=0, nvml_index=0):
+    """``fake`` as pynvml, and a CUDA device ``cuda_index`` that NVML knows as ``nvml_index``."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda_index)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda d: {cuda_index: nvml_index}[d])
+
+
 def test_gpu_readings_medians_through_nvml(monkeypatch):
     index_seen = []
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([1980, 1470, 1500], [700000, 650000, 655500], index_seen))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda d: {3: 5}[d])
+    _install(monkeypatch, _fake_nvml([1980, 1470, 1500], [700000, 650000, 655500], index_seen), 3, 5)
     readings = GpuReadings()
     assert readings.available and index_seen == [5]  # the NVML index of the current CUDA device
     assert readings.medians() == (None, None)  # nothing read yet
@@ -73,10 +78,7 @@ def test_gpu_readings_stop_at_an_unsupported_query(monkeypatch):
 
     def unsupported(handle):
         raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda d: d)
+    _install(monkeypatch, fake)
     readings = GpuReadings()
     readings.read()
     fake.nvmlDeviceGetPowerUsage = unsupported
