@@ -104,7 +104,7 @@ def environ(values: dict):
 
 
 def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls: int = 1,
-              after_repeat=None) -> float:
+              after_repeat=None, during=None) -> float:
     """Median device time of ``fn()`` in milliseconds from CUDA events, after ``warmup`` calls.
 
     ``flush_l2`` writes 256 MiB before each repeat so every call starts with a cold L2.
@@ -114,7 +114,9 @@ def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls
     without its host time. With 1 (the default) the window also holds the host time of the one
     call before its first kernel starts, which for a launcher with some host work and a kernel of
     a millisecond or so is a visible share. ``after_repeat()`` (optional) runs after each repeat's
-    end event has completed, outside the timed window (e.g. GpuReadings.read).
+    end event has completed, outside the timed window. ``during`` (optional, e.g. a
+    :class:`GpuReadings`): its ``begin()`` runs just before each repeat's start event is recorded and
+    its ``end()`` once the end event has completed, so it brackets every timed window.
     """
     global _L2_FLUSH
     if calls < 1:
@@ -128,28 +130,53 @@ def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls
         if flush_l2:
             _L2_FLUSH.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if during is not None:
+            during.begin()
         start.record()
         for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
+        if during is not None:
+            during.end()
         times.append(start.elapsed_time(end) / calls)
         if after_repeat is not None:
             after_repeat()
     return statistics.median(times)
 
 
-class GpuReadings:
-    """The SM clock (MHz) and the board's power draw (W) of the current CUDA device through NVML
-    (``nvidia-ml-py``), read by :meth:`read` between timed repeats: both are the driver's averages over
-    its last sample period (1/6 s to 1 s), so a read after a repeat describes the load of the repeats
-    before it, and the reads themselves stay out of the timed windows. ``available`` is False (and
-    :meth:`medians` gives Nones) where NVML cannot be used: no GPU, no ``pynvml``, no driver."""
+#: NVML's clock-event reasons that mean the board's power limit holds the clock down (software power
+#: cap, hardware power brake), as pynvml numbers them.
+POWER_CAP_REASONS = 0x4 | 0x80
+#: NVML field id of the instantaneous board power (mW), where the driver has it.
+NVML_FI_DEV_POWER_INSTANT = 186
 
-    def __init__(self):
+
+class GpuReadings:
+    """What the current CUDA device's clock and power do while timed windows run, through NVML
+    (``nvidia-ml-py``): between :meth:`begin` and :meth:`end` (``median_ms(during=...)``) a background
+    thread samples, every ``period_s``, the SM clock (MHz), the board's instantaneous power (W; the
+    driver's running average where it has no instantaneous field) and whether a power-limit reason
+    holds the clock down. (The board's energy counter is not read: it moves in steps of ~0.1 s and
+    more, coarser than a window of a few milliseconds.)
+    The samples cover the host's view of each window (from just before its start event to its end
+    event's completion), so they include the idle GPU before a window's first kernel. NVML's calls
+    release the GIL, so the thread takes no time from the timed host work beyond its ~50 µs per
+    sample. ``available`` is False (and :meth:`medians` gives Nones) where NVML cannot be used: no GPU,
+    no ``pynvml``, no driver. A query the GPU does not support ends that reading only, never a row.
+    Call :meth:`close` (or use it as a context manager) to stop the thread."""
+
+    def __init__(self, period_s: float = 0.002):
+        import threading
+        self.period_s = period_s
         self.clocks_mhz: list[int] = []
         self.power_w: list[float] = []
+        self.capped: list[bool] = []
         self._nvml = self._handle = None
+        self._queries = {}
+        self._on = threading.Event()
+        self._stop = threading.Event()
+        self._thread = None
         if not torch.cuda.is_available():
             return
         try:
@@ -160,29 +187,93 @@ class GpuReadings:
             self._nvml = pynvml
         except Exception:  # no pynvml, no driver, an index NVML does not know: no readings
             self._nvml = self._handle = None
+            return
+        self._queries = {"clock": self._clock, "power": self._power, "reasons": self._reasons}
 
     @property
     def available(self) -> bool:
         return self._handle is not None
 
-    def read(self) -> None:
+    # -- one NVML query each; None once the GPU has refused it --
+    def _query(self, name):
+        query = self._queries.get(name)
+        if query is None:
+            return None
+        try:
+            return query()
+        except Exception:  # unsupported here: this reading ends, the others go on
+            self._queries[name] = None
+            return None
+
+    def _clock(self):
+        return self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM)
+
+    def _power(self):
+        nvml = self._nvml
+        if getattr(nvml, "nvmlDeviceGetFieldValues", None) is not None:
+            value = nvml.nvmlDeviceGetFieldValues(self._handle, [NVML_FI_DEV_POWER_INSTANT])[0]
+            if int(getattr(value, "nvmlReturn", 1)) == 0:
+                return value.value.uiVal / 1000.0
+        return nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+
+    def _reasons(self):
+        nvml = self._nvml
+        get = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        return bool(get(self._handle) & POWER_CAP_REASONS)
+
+    def sample(self) -> None:
+        """One sample of the clock, the power and the power-cap reasons (the thread's step)."""
+        clock = self._query("clock")
+        if clock is None:
+            return
+        power, capped = self._query("power"), self._query("reasons")
+        self.clocks_mhz.append(clock)
+        if power is not None:
+            self.power_w.append(power)
+        if capped is not None:
+            self.capped.append(capped)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._on.wait(timeout=0.05) and not self._stop.is_set():
+                self.sample()
+                self._stop.wait(self.period_s)
+
+    def begin(self) -> None:
         if self._handle is None:
             return
-        nvml = self._nvml
-        try:
-            clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
-            power = nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
-        except Exception:  # a query this GPU does not support: no more reads, never a failed benchmark row
-            self._handle = None
-            return
-        self.clocks_mhz.append(clock)
-        self.power_w.append(power)
+        if self._thread is None:
+            import threading
+            self._thread = threading.Thread(target=self._run, name="GpuReadings", daemon=True)
+            self._thread.start()
+        self._on.set()
 
-    def medians(self) -> tuple[float | None, float | None]:
-        """(median SM MHz, median W) of the reads so far, Nones without any."""
-        if not self.clocks_mhz:
-            return None, None
-        return statistics.median(self.clocks_mhz), statistics.median(self.power_w)
+    def end(self) -> None:
+        if self._handle is None:
+            return
+        self._on.clear()
+
+    def close(self) -> None:
+        self._on.clear()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def medians(self) -> dict:
+        """``sm_mhz`` and ``power_w``: medians of the samples; ``power_capped``: the share of samples
+        with a power-limit reason on. None for what was not read."""
+        def median(values):
+            return statistics.median(values) if values else None
+        return dict(sm_mhz=median(self.clocks_mhz), power_w=median(self.power_w),
+                    power_capped=sum(self.capped) / len(self.capped) if self.capped else None)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

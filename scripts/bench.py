@@ -10,8 +10,9 @@ cannot run is printed as "not measured" with the reason. The first calls of each
 torch.compile, Triton autotuning) run outside the timed repeats.
 
 TFLOP/s counts 6·T·K·H·I per forward and three times that for forward+backward. SM MHz and W are the
-medians of NVML's SM clock and power draw read after each forward+backward repeat (the driver's averages
-over its last sample period; "-" without nvidia-ml-py). Writes JSON records
+medians of NVML's SM clock and instantaneous board power sampled every 2 ms while the forward+backward
+repeats run, and "capped" the share of those samples in which the board's power limit held the clock down ("-"
+without nvidia-ml-py). Writes JSON records
 and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 
     python scripts/bench.py --json benchmarks/results/h200.json --png benchmarks/results/h200.png
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import _env  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe, liger_inputs, liger_unavailable_reason  # noqa: E402
+from deep_gemm_ext.recipes import WEIGHT_CACHE  # noqa: E402
 from deep_gemm_ext.testing import (WORKLOADS, GpuReadings, Workload, environ, make_inputs, median_ms,  # noqa: E402
                                    rel_err)
 
@@ -193,15 +195,19 @@ def _cpu_median_ms(fn, reps: int, warmup: int = 1) -> float:
 
 
 def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
-    """(forward ms, forward+backward ms, peak GiB, saved GiB, SM MHz, W); memory, clock and power are None
-    off the GPU (clock and power also without NVML: testing.GpuReadings, read after each forward+backward
-    repeat). ``calls``: back-to-back calls per timed repeat (``testing.median_ms``), the same for every row."""
+    """(forward ms, forward+backward ms, peak GiB, saved GiB, readings); memory and readings are None off
+    the GPU. ``readings``: ``testing.GpuReadings.medians()`` of the forward+backward repeats (SM clock,
+    power, power-capped share, sampled while they run; Nones without NVML).
+    ``calls``: back-to-back calls per timed repeat (``testing.median_ms``), the same for every row."""
     x, idx, w, l1, l2 = inputs
+    # No row inherits another's fp8 weight copies (an fp8 row's stay cached on the weights): each row's
+    # memory is its own, an fp8 row's with the cache it builds in its first call below.
+    WEIGHT_CACHE.clear()
     args = impl.prepare(*inputs)
     dy = torch.randn_like(x)
     readings = GpuReadings() if device == "cuda" else None
-    timer = (lambda fn, reps, after=None: median_ms(fn, reps, calls=calls, after_repeat=after)) if device == "cuda" \
-        else (lambda fn, reps, after=None: _cpu_median_ms(fn, reps))
+    timer = (lambda fn, reps, during=None: median_ms(fn, reps, calls=calls, during=during)) if device == "cuda" \
+        else (lambda fn, reps, during=None: _cpu_median_ms(fn, reps))
 
     def fwd_bwd():
         y = impl.fn(*args)
@@ -213,10 +219,14 @@ def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
     fwd_bwd()
     with torch.no_grad():
         fwd = timer(lambda: impl.fn(*args), reps)
-    fwdbwd = timer(fwd_bwd, reps, readings.read if readings is not None else None)
+    try:
+        fwdbwd = timer(fwd_bwd, reps, readings)
+    finally:
+        if readings is not None:
+            readings.close()
     if device != "cuda":
-        return fwd, fwdbwd, None, None, None, None
-    sm_mhz, power_w = readings.medians()
+        return fwd, fwdbwd, None, None, None
+    read = readings.medians()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -230,7 +240,7 @@ def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
     torch.cuda.synchronize()
     saved = (torch.cuda.memory_allocated() - before) / 2**30
     del y
-    return fwd, fwdbwd, peak, saved, sm_mhz, power_w
+    return fwd, fwdbwd, peak, saved, read
 
 
 def git_commit() -> str:
@@ -280,6 +290,15 @@ def draw_png(records, path):
     fig.savefig(path, dpi=120)
 
 
+def _readings_record(read) -> dict:
+    """The record's fields of ``GpuReadings.medians()`` (all None off the GPU or without NVML)."""
+    read = read or {}
+    def rounded(key, digits):
+        return None if read.get(key) is None else round(read[key], digits)
+    return dict(sm_mhz=rounded("sm_mhz", 0), power_w=rounded("power_w", 1),
+                power_capped=rounded("power_capped", 3))
+
+
 def _ratio(base, r) -> float | None:
     return round(base["fwdbwd_ms"] / r["fwdbwd_ms"], 3) if base else None
 
@@ -290,15 +309,16 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def print_table(records) -> None:
     print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm "
-          "| x compiled grouped_mm | peak GiB | saved GiB | SM MHz | W |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| x compiled grouped_mm | peak GiB | saved GiB | SM MHz | W | capped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         if "skipped" in r:
             continue
         print(f"| {r['workload']} | {r['impl']} | {r['backend']} | {r['recipe']} | {r['fwd_ms']:.3f} "
               f"| {r['fwdbwd_ms']:.3f} | {r['tflops']:.0f} | {_fmt(r['ratio_vs_grouped_mm'], '.2f', 'x')} "
               f"| {_fmt(r['ratio_vs_compiled_grouped_mm'], '.2f', 'x')} | {_fmt(r['peak_gib'], '.2f')} "
-              f"| {_fmt(r['saved_gib'], '.2f')} | {_fmt(r.get('sm_mhz'), '.0f')} | {_fmt(r.get('power_w'), '.0f')} |")
+              f"| {_fmt(r['saved_gib'], '.2f')} | {_fmt(r.get('sm_mhz'), '.0f')} | {_fmt(r.get('power_w'), '.0f')} "
+              f"| {_fmt(None if r.get('power_capped') is None else 100 * r['power_capped'], '.0f', '%')} |")
 
 
 def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: str, meta: dict,
@@ -322,7 +342,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                 if not worst < bound:  # NaN fails too
                     raise RuntimeError("disagrees with the fp64 reference on the check shape: " + ", ".join(
                         f"{k} {v:.2e}" for k, v in errors.items()) + f" (expected < {bound})")
-                fwd, fwdbwd, peak, saved, sm_mhz, power_w = bench_one(impl, inputs, reps, device, calls)
+                fwd, fwdbwd, peak, saved, read = bench_one(impl, inputs, reps, device, calls)
         except Exception as exc:  # reported in the output and the records, never dropped silently
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             rows[key] = dict(record, skipped="; ".join([*impl.notes, f"{type(exc).__name__}: {first}"]))
@@ -332,7 +352,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                          tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
                          peak_gib=None if peak is None else round(peak, 3),
                          saved_gib=None if saved is None else round(saved, 3),
-                         sm_mhz=sm_mhz, power_w=None if power_w is None else round(power_w, 1),
+                         **_readings_record(read),
                          check_max_rel_err=float(f"{worst:.3e}"), notes=list(impl.notes))
         # As soon as it is measured: a run cut short still shows the rows it timed.
         print(f"{wl.name}: {label(record)} timed: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms", flush=True)

@@ -7,6 +7,7 @@
     python scripts/gemm_bench.py --epilogue [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --upstream [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8-tiles [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --ceiling [--reps 10] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up (each of --calls back-to-back calls, so that
@@ -60,6 +61,13 @@ clusters of 1 and 2) against the 128 x 192 tile (serial mainloop, the layer's on
 all with K compiled in (``static_k``: where fp8_static_k_stages gives no ring, the K-argument kernel);
 "bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
 experts own.
+
+--ceiling: what one dense 8192^3 GEMM reaches on this GPU in a burst and under sustained load, bf16
+(torch.matmul, cuBLAS) and fp8 (torch._scaled_mm, e4m3 with per-tensor scales): TFLOP/s with 1, 8 and 64
+back-to-back calls per timed repeat (~1.5 ms to ~0.1 s of continuous load), with the SM clock, the board
+power and the share of samples in which the power limit held the clock down (testing.GpuReadings, sampled
+while the repeats run; "-" without nvidia-ml-py). The sustained rows are the ceiling a layer that keeps
+the GPU busy for a whole step can be measured against.
 """
 from __future__ import annotations
 
@@ -82,7 +90,7 @@ from deep_gemm_ext.providers.sm90 import Sm90Provider  # noqa: E402
 from deep_gemm_ext.recipes import RECIPES  # noqa: E402
 from deep_gemm_ext.recipes import fp8 as fp8_recipe  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, make_routing, median_ms  # noqa: E402
+from deep_gemm_ext.testing import WORKLOADS, GpuReadings, make_routing, median_ms  # noqa: E402
 
 _SCHEDULE_WORKLOADS = ("qwen3-30b-a3b-t16384", "qwen3-235b-a22b-t8192")
 
@@ -753,6 +761,42 @@ def _upstream_table(args) -> int:
     return 0 if all(r["check"] for r in results) else 1
 
 
+CEILING_CALLS = (1, 8, 64)
+
+
+def _ceiling_table(args) -> int:
+    """Dense bf16 and fp8 GEMMs of 8192^3 at CEILING_CALLS back-to-back calls, with clock and power."""
+    if not torch.cuda.is_available():
+        print("not measured: no CUDA GPU")
+        return 0
+    n = 8192
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm wants B column-major
+    one = torch.ones((), device="cuda")
+    cases = {"bf16 (torch.matmul)": lambda: a @ b,
+             "fp8 (torch._scaled_mm)": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)}
+    rows = []
+    for name, fn in cases.items():
+        for calls in CEILING_CALLS:
+            with GpuReadings(period_s=0.001) as readings:
+                ms = median_ms(fn, reps=args.reps, warmup=5, calls=calls, during=readings)
+            rows.append(dict(gemm=name, calls=calls, ms=ms, tflops=2 * n**3 / ms / 1e9, **readings.medians()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"Dense {n}^3 GEMMs on {torch.cuda.get_device_name()}: burst (1 call a repeat) and sustained load")
+    print("| GEMM | calls | ms | TFLOP/s | SM MHz | W | capped |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        def fmt(value, spec):
+            return "-" if value is None else format(value, spec)
+        capped = None if r["power_capped"] is None else 100 * r["power_capped"]
+        print(f"| {r['gemm']} | {r['calls']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fmt(r['sm_mhz'], '.0f')} "
+              f"| {fmt(r['power_w'], '.0f')} | {fmt(capped, '.0f')}% |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
@@ -771,6 +815,9 @@ def main(argv: list[str] | None = None) -> int:
                              "GEMM of the layer, with each side's error against fp64")
     parser.add_argument("--fp8-tiles", action="store_true",
                         help="128 x 128 vs 128 x 192 fp8 tiles (clusters of 1 and 2) TFLOP/s per M-grouped GEMM")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="dense bf16 and fp8 8192^3 GEMMs in a burst and under sustained load, with the SM "
+                             "clock, power and power-capped share")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5,
                         help="back-to-back calls per timed repeat (testing.median_ms): from the second on, a "
@@ -778,8 +825,11 @@ def main(argv: list[str] | None = None) -> int:
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
-    if args.schedules + args.fp8 + args.clusters + args.epilogue + args.upstream + args.fp8_tiles > 1:
-        parser.error("--schedules, --fp8, --clusters, --epilogue, --upstream and --fp8-tiles: one table at a time")
+    if args.schedules + args.fp8 + args.clusters + args.epilogue + args.upstream + args.fp8_tiles + args.ceiling > 1:
+        parser.error("--schedules, --fp8, --clusters, --epilogue, --upstream, --fp8-tiles and --ceiling: one table "
+                     "at a time")
+    if args.ceiling:
+        return _ceiling_table(args)
     one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue or args.upstream or args.fp8_tiles)
     if one_table and args.workload and len(args.workload) > 1:
         parser.error("--workload: one workload without --schedules, --fp8, --clusters, --epilogue, --upstream or "

@@ -69,6 +69,22 @@ def _records(impls, capsys):
     return {(r["impl"], r["backend"]): r for r in records}, capsys.readouterr().out
 
 
+def test_bench_rows_do_not_inherit_the_fp8_weight_cache():
+    """An fp8 row leaves its weights' fp8 copies cached; the next row starts without them, so its
+    memory columns are its own."""
+    from deep_gemm_ext.recipes import WEIGHT_CACHE
+    inputs = make_inputs(16, 128, 128, 4, 2, device="cpu", seed=3)  # fp8: 128 x 128 weight blocks
+    seen = []
+
+    def bf16_row(*args):
+        seen.append(len(WEIGHT_CACHE))
+        return bench._ours()(*args)
+    bench.bench_one(bench.Impl(bench._ours(recipe="fp8")), inputs, reps=1, device="cpu")
+    assert len(WEIGHT_CACHE) > 0  # the fp8 row's copies of l1 and l2
+    bench.bench_one(bench.Impl(bf16_row), inputs, reps=1, device="cpu")
+    assert seen and seen[0] == 0
+
+
 def test_bench_reports_failing_and_wrong_rows(capsys):
     def raises(*args):
         raise RuntimeError("no kernel for this shape")
@@ -350,6 +366,13 @@ def test_gemm_bench_upstream_without_gpu_says_why(deep_gemm_module, capsys):
     assert gemm_bench.main(["--upstream"]) == 0
     out = capsys.readouterr().out
     assert out == "not measured: upstream DeepGEMM's SM90 GEMMs need a CUDA GPU, and torch sees none\n"
+
+
+def test_gemm_bench_ceiling_without_gpu_says_why(capsys):
+    assert gemm_bench.main(["--ceiling"]) == 0
+    assert capsys.readouterr().out == "not measured: no CUDA GPU\n"
+    with pytest.raises(SystemExit):
+        gemm_bench.main(["--ceiling", "--fp8"])  # one table at a time
 
 
 def test_gemm_bench_upstream_is_a_table_of_its_own(capsys):
