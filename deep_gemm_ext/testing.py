@@ -159,7 +159,9 @@ class GpuReadings:
     driver's running average where it has no instantaneous field) and whether a power-limit reason
     holds the clock down. (The board's energy counter is not read: it moves in steps of ~0.1 s and
     more, coarser than a window of a few milliseconds.)
-    The samples cover the host's view of each window (from just before its start event to its end
+    The driver refreshes these readings every few tens of milliseconds, so they describe windows at
+    least that long; a window of a few milliseconds may read the load before it. The samples cover
+    the host's view of each window (from just before its start event to its end
     event's completion), so they include the idle GPU before a window's first kernel. NVML's calls
     release the GIL, so the thread takes no time from the timed host work beyond its ~50 µs per
     sample. ``available`` is False (and :meth:`medians` gives Nones) where NVML cannot be used: no GPU,

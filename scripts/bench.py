@@ -12,7 +12,9 @@ torch.compile, Triton autotuning) run outside the timed repeats.
 TFLOP/s counts 6·T·K·H·I per forward and three times that for forward+backward. SM MHz and W are the
 medians of NVML's SM clock and instantaneous board power sampled every 2 ms while the forward+backward
 repeats run, and "capped" the share of those samples in which the board's power limit held the clock down ("-"
-without nvidia-ml-py). Writes JSON records
+without nvidia-ml-py). The driver updates these readings every few tens of milliseconds, so they
+describe a row only when its timed windows are that long or longer (--calls 16 at the headline shapes);
+at one call of a few milliseconds a window can read the load before it. Writes JSON records
 and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 
     python scripts/bench.py --json benchmarks/results/h200.json --png benchmarks/results/h200.png
