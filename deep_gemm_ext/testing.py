@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,7 @@ def environ(values: dict):
 
 
 def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls: int = 1,
-              after_repeat=None, during=None) -> float:
+              during=None) -> float:
     """Median device time of ``fn()`` in milliseconds from CUDA events, after ``warmup`` calls.
 
     ``flush_l2`` writes 256 MiB before each repeat so every call starts with a cold L2.
@@ -113,8 +114,7 @@ def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls
     kernels, as inside a layer's step, so a kernel that takes far longer than its launch is timed
     without its host time. With 1 (the default) the window also holds the host time of the one
     call before its first kernel starts, which for a launcher with some host work and a kernel of
-    a millisecond or so is a visible share. ``after_repeat()`` (optional) runs after each repeat's
-    end event has completed, outside the timed window. ``during`` (optional, e.g. a
+    a millisecond or so is a visible share. ``during`` (optional, e.g. a
     :class:`GpuReadings`): its ``begin()`` runs just before each repeat's start event is recorded and
     its ``end()`` once the end event has completed, so it brackets every timed window.
     """
@@ -140,8 +140,6 @@ def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls
         if during is not None:
             during.end()
         times.append(start.elapsed_time(end) / calls)
-        if after_repeat is not None:
-            after_repeat()
     return statistics.median(times)
 
 
@@ -163,13 +161,11 @@ class GpuReadings:
     least that long; a window of a few milliseconds may read the load before it. The samples cover
     the host's view of each window (from just before its start event to its end
     event's completion), so they include the idle GPU before a window's first kernel. NVML's calls
-    release the GIL, so the thread takes no time from the timed host work beyond its ~50 µs per
-    sample. ``available`` is False (and :meth:`medians` gives Nones) where NVML cannot be used: no GPU,
+    release the GIL, so the thread takes little time from the timed host work. ``available`` is False (and :meth:`medians` gives Nones) where NVML cannot be used: no GPU,
     no ``pynvml``, no driver. A query the GPU does not support ends that reading only, never a row.
     Call :meth:`close` (or use it as a context manager) to stop the thread."""
 
     def __init__(self, period_s: float = 0.002):
-        import threading
         self.period_s = period_s
         self.clocks_mhz: list[int] = []
         self.power_w: list[float] = []
@@ -246,7 +242,6 @@ class GpuReadings:
         if self._handle is None:
             return
         if self._thread is None:
-            import threading
             self._thread = threading.Thread(target=self._run, name="GpuReadings", daemon=True)
             self._thread.start()
         self._on.set()

@@ -27,7 +27,14 @@ def test_calls_per_repeat(calls):
         return x @ x
 
     repeats = []
-    ms = median_ms(fn, reps=3, warmup=2, calls=calls, after_repeat=lambda: repeats.append(len(count)))
+
+    class Windows:
+        def begin(self):
+            pass
+
+        def end(self):
+            repeats.append(len(count))
+    ms = median_ms(fn, reps=3, warmup=2, calls=calls, during=Windows())
     assert len(count) == 2 + 3 * calls
     assert repeats == [2 + calls * (i + 1) for i in range(3)]  # once after each repeat's calls
     assert ms > 0
