@@ -3,6 +3,7 @@
     python scripts/gemm_bench.py [--workload qwen3-30b-a3b-t16384] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --schedules [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8 [--workload W ...] [--reps 20] [--json out.json]
+    python scripts/gemm_bench.py --wgrad [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --clusters [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --epilogue [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --upstream [--workload W ...] [--reps 20] [--json out.json]
@@ -25,9 +26,9 @@ recipes.fp8 beforehand, not timed) under both mainloop schedules ("serial", the 
 GEMM on the same random operands; the "bits" column says whether the three fp8 outputs are equal bit
 for bit. A second table has the two weight-gradient GEMMs
 (dW1 = dh^T x, dW2 = dy^T act): our bf16 K-grouped GEMM against the fp8 K-grouped one
-(k_grouped_fp8_gemm_nt_contiguous) without and with the two quantization passes that make its
-operands (quantize_cols_transposed_fp8 of each pool), and the fp8 result's relative error against
-the bf16 one.
+(k_grouped_fp8_gemm_nt_contiguous, under both mainloops, "bits" saying whether they agree bit for bit)
+without and with the two quantization passes that make its operands (quantize_cols_transposed_fp8 of each
+pool), and the fp8 result's relative error against the bf16 one. --wgrad prints that table alone.
 
 --clusters: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192), TFLOP/s
 of clusters of 1 and of 2 CTAs (the launchers' ``cluster_n``: adjacent M blocks sharing the B tile by
@@ -281,13 +282,16 @@ def _wgrad_cases(w):
             return gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends)
 
         def fp8(qa=qa, qb=qb):
-            return fg.k_grouped_fp8_gemm_nt_contiguous(*qa, *qb, starts, ends)
+            return fg.k_grouped_fp8_gemm_nt_contiguous(*qa, *qb, starts, ends, mainloop="serial")
+
+        def fp8_overlap(qa=qa, qb=qb):
+            return fg.k_grouped_fp8_gemm_nt_contiguous(*qa, *qb, starts, ends, mainloop="overlap")
 
         def fp8_quantized(a=a, b=b):
             return fg.k_grouped_fp8_gemm_nt_contiguous(*fq.quantize_cols_transposed_fp8(a, rows=padded),
                                                        *fq.quantize_cols_transposed_fp8(b, rows=padded), starts, ends)
 
-        cases.append((name, (a.shape[1], b.shape[1], used), bf16, fp8, fp8_quantized))
+        cases.append((name, (a.shape[1], b.shape[1], used), bf16, fp8, fp8_overlap, fp8_quantized))
     return cases
 
 
@@ -295,26 +299,34 @@ def _wgrad_table(args) -> list[dict]:
     results = []
     for workload in args.workload or ("qwen3-30b-a3b-t16384",):
         w = WORKLOADS[workload]
-        for name, (m, n, k), bf16, fp8, fp8_quantized in _wgrad_cases(w):
+        for name, (m, n, k), bf16, fp8, fp8_overlap, fp8_quantized in _wgrad_cases(w):
             flops = 2.0 * m * n * k
-            ref, got = bf16().float(), fp8().float()
-            err = float((got - ref).norm() / ref.norm().clamp(min=1e-30))
-            bf16_ms, fp8_ms, fp8_q_ms = (median_ms(f, args.reps, calls=args.calls) for f in (bf16, fp8, fp8_quantized))
+            ref, got, got_overlap = bf16().float(), fp8(), fp8_overlap()
+            err = float((got.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+            same = bool(torch.equal(got.view(torch.int16), got_overlap.view(torch.int16)))
+            del got, got_overlap
+            bf16_ms, fp8_ms, ovl_ms, fp8_q_ms = (median_ms(f, args.reps, calls=args.calls)
+                                                 for f in (bf16, fp8, fp8_overlap, fp8_quantized))
             results.append({"workload": w.name, "gemm": name, "kind": "k_grouped", "m": m, "n": n, "k": k,
                             "bf16_us": bf16_ms * 1e3, "bf16_tflops": flops / bf16_ms / 1e9, "fp8_us": fp8_ms * 1e3,
-                            "fp8_tflops": flops / fp8_ms / 1e9, "fp8_with_quant_us": fp8_q_ms * 1e3,
-                            "fp8_rel_err_vs_bf16": err})
+                            "fp8_tflops": flops / fp8_ms / 1e9, "fp8_overlap_us": ovl_ms * 1e3,
+                            "fp8_overlap_tflops": flops / ovl_ms / 1e9, "fp8_with_quant_us": fp8_q_ms * 1e3,
+                            "fp8_overlap_bit_identical": same, "fp8_rel_err_vs_bf16": err})
         torch.cuda.empty_cache()
-    print(f"Weight gradients on {torch.cuda.get_device_name()}: our bf16 K-grouped GEMM vs the fp8 K-grouped GEMM, "
-          "without and with (fp8+q) the two transposing column-quantization passes of its operands")
+    print(f"Weight gradients on {torch.cuda.get_device_name()}: our bf16 K-grouped GEMM vs the fp8 K-grouped GEMM "
+          "(mainloop 'serial', and 'overlap' as ovl), without and with (fp8+q) the two transposing "
+          "column-quantization passes of its operands (serial)")
     print(f"{'workload':<22} | {'gemm':<8} | {'M x N x K':>20} | {'bf16 us':>8} | {'bf16':>6} | {'fp8 us':>8} | "
-          f"{'fp8':>6} | {'fp8+q us':>8} | fp8/bf16 | fp8+q/bf16 | rel err")
+          f"{'fp8':>6} | {'ovl us':>8} | {'ovl':>6} | {'fp8+q us':>8} | fp8/bf16 | ovl/bf16 | fp8+q/bf16 | bits | "
+          f"rel err")
     for r in results:
         shape = f"{r['m']}x{r['n']}x{r['k']}"
         print(f"{r['workload']:<22} | {r['gemm']:<8} | {shape:>20} | {r['bf16_us']:8.1f} | {r['bf16_tflops']:6.1f} | "
-              f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_with_quant_us']:8.1f} | "
-              f"{r['bf16_us'] / r['fp8_us']:7.2f}x | {r['bf16_us'] / r['fp8_with_quant_us']:9.2f}x | "
-              f"{r['fp8_rel_err_vs_bf16']:.2e}")
+              f"{r['fp8_us']:8.1f} | {r['fp8_tflops']:6.1f} | {r['fp8_overlap_us']:8.1f} | "
+              f"{r['fp8_overlap_tflops']:6.1f} | {r['fp8_with_quant_us']:8.1f} | "
+              f"{r['bf16_us'] / r['fp8_us']:7.2f}x | {r['bf16_us'] / r['fp8_overlap_us']:7.2f}x | "
+              f"{r['bf16_us'] / r['fp8_with_quant_us']:9.2f}x | "
+              f"{'same' if r['fp8_overlap_bit_identical'] else 'DIFFER'} | {r['fp8_rel_err_vs_bf16']:.2e}")
     return results
 
 
@@ -359,7 +371,15 @@ def _fp8_table(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results + wgrad, f, indent=2)  # weight-gradient rows carry "kind": "k_grouped"
-    return 0 if all(r["fp8_overlap_bit_identical"] for r in results) else 1
+    return 0 if all(r["fp8_overlap_bit_identical"] for r in results + wgrad) else 1
+
+
+def _wgrad_only_table(args) -> int:
+    wgrad = _wgrad_table(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(wgrad, f, indent=2)
+    return 0 if all(r["fp8_overlap_bit_identical"] for r in wgrad) else 1
 
 
 def _fp8_tiles_table(args) -> int:
@@ -807,6 +827,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cooperative vs ping-pong vs dense cuBLAS TFLOP/s per GEMM")
     parser.add_argument("--fp8", action="store_true",
                         help="our blockwise-fp8 GEMM vs our bf16 GEMM TFLOP/s per M-grouped GEMM of the layer")
+    parser.add_argument("--wgrad", action="store_true",
+                        help="--fp8's second table alone: the bf16 vs fp8 K-grouped weight-gradient GEMMs (both fp8 "
+                             "mainloops)")
     parser.add_argument("--clusters", action="store_true",
                         help="clusters of 1 vs 2 CTAs (bf16 and fp8) vs dense cuBLAS TFLOP/s per GEMM, with bit identity")
     parser.add_argument("--epilogue", action="store_true",
@@ -826,19 +849,23 @@ def main(argv: list[str] | None = None) -> int:
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
-    if args.schedules + args.fp8 + args.clusters + args.epilogue + args.upstream + args.fp8_tiles + args.ceiling > 1:
-        parser.error("--schedules, --fp8, --clusters, --epilogue, --upstream, --fp8-tiles and --ceiling: one table "
-                     "at a time")
+    if (args.schedules + args.fp8 + args.wgrad + args.clusters + args.epilogue + args.upstream + args.fp8_tiles
+            + args.ceiling > 1):
+        parser.error("--schedules, --fp8, --wgrad, --clusters, --epilogue, --upstream, --fp8-tiles and --ceiling: one "
+                     "table at a time")
     if args.ceiling:
         return _ceiling_table(args)
-    one_table = not (args.schedules or args.fp8 or args.clusters or args.epilogue or args.upstream or args.fp8_tiles)
+    one_table = not (args.schedules or args.fp8 or args.wgrad or args.clusters or args.epilogue or args.upstream
+                     or args.fp8_tiles)
     if one_table and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules, --fp8, --clusters, --epilogue, --upstream or "
-                     "--fp8-tiles")
+        parser.error("--workload: one workload without --schedules, --fp8, --wgrad, --clusters, --epilogue, --upstream "
+                     "or --fp8-tiles")
     if args.upstream:
         return _upstream_table(args)
     if args.fp8:
         return _fp8_table(args)
+    if args.wgrad:
+        return _wgrad_only_table(args)
     if args.fp8_tiles:
         return _fp8_tiles_table(args)
     if args.clusters:

@@ -77,16 +77,26 @@ CONFIG = fg.K_GROUPED_CONFIG
 
 def test_k_grouped_config_is_registered():
     configs = {group: [c.name for c in items] for group, items in jit.registered_configs().items()}
-    assert configs["sm90_fp8_k_grouped_gemm"] == ["sm90_fp8_grouped_gemm_k_nt_n128_s6"]
-    code = CONFIG.code()
-    assert code.count("sm90_grouped_gemm_kernel<") == 1
-    assert ("GroupedGemmType::KGroupedContiguous, dge::mma::Major::K, dge::mma::Major::K" in code
-            and "dge::gemm::ElementType::E4M3" in code), code
-    assert "dge::gemm::LoaderTma, dge::gemm::MainloopFP8, Epilogue, const float*, const float*, CUtensorMap>" in code
-    assert [a.name for a in CONFIG.args[len(gg.CORE_ARGS):]] == ["scale_a", "scale_b", "tma_c"]
+    assert configs["sm90_fp8_k_grouped_gemm"] == ["sm90_fp8_grouped_gemm_k_nt_n128_s5",
+                                                  "sm90_fp8_grouped_gemm_k_nt_n128_s5_overlap"]
+    assert CONFIG is fg.K_GROUPED_CONFIGS[fg.K_GROUPED_MAINLOOP]
+    for mainloop, policy in (("serial", "MainloopFP8"), ("overlap", "MainloopFP8Overlap")):
+        config = fg.K_GROUPED_CONFIGS[mainloop]
+        code = config.code()
+        assert code.count("sm90_grouped_gemm_kernel<") == 1
+        assert ("GroupedGemmType::KGroupedContiguous, dge::mma::Major::K, dge::mma::Major::K" in code
+                and "dge::gemm::ElementType::E4M3" in code), code
+        assert (f"dge::gemm::LoaderTma, dge::gemm::{policy}, Epilogue, const float*, const float*, CUtensorMap>"
+                in code), code
+        assert [a.name for a in config.args[len(gg.CORE_ARGS):]] == ["scale_a", "scale_b", "tma_c"]
 
 
-@pytest.mark.parametrize("kwargs", [dict(fp8_mainloop="overlap"), dict(epilogue="scatter"), dict(block_n=256),
+def test_k_grouped_mainloop_argument_is_checked():
+    with pytest.raises(ValueError, match=r"mainloop='pingpong', expected one of \('serial', 'overlap'\)"):
+        k_grouped_fp8_gemm_nt_contiguous(*_cpu_operands(), mainloop="pingpong")
+
+
+@pytest.mark.parametrize("kwargs", [dict(epilogue="scatter"), dict(block_n=256),
                                     dict(schedule="pingpong"), dict(gather_a="cp_async")])
 def test_k_grouped_config_rejects_what_the_kernel_does_not_take(kwargs):
     with pytest.raises(ValueError, match="dtype='fp8' with layout='k_nt' takes"):
@@ -155,16 +165,26 @@ def test_argument_checks():
 
 
 @requires_compiler
-def test_k_grouped_kernel_compiles_to_e4m3_wgmma_without_spills():
-    kernel = jit.build(CONFIG.name, CONFIG.code())
+@pytest.mark.parametrize("mainloop", fg.MAINLOOP_SCHEDULES)
+def test_k_grouped_kernel_compiles_to_e4m3_wgmma_without_spills(mainloop):
+    config = fg.K_GROUPED_CONFIGS[mainloop]
+    kernel = jit.build(config.name, config.code())
     usage = kernel.resources()
-    assert usage and all(u.spill_bytes == 0 for u in usage), f"{CONFIG.name}: {usage}"
-    assert CONFIG.smem_bytes() == gg.GemmConfig("nt", 128).smem_bytes() == 231520
-    entry = jit.compile_cached(CONFIG.name, CONFIG.code(), want_ptx=True)
+    assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
+    # 5 stages of 32 KiB operands and 1 KiB scales, the epilogue's 32 KiB: the M-grouped 128-wide tile's
+    # stages with 496 more bytes of scales each.
+    m_grouped = gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop=mainloop)
+    assert config.stages == m_grouped.stages == 5
+    assert (config.smem_bytes(), m_grouped.smem_bytes()) == (203856, 201808)  # barriers 1024-aligned after them
+    entry = jit.compile_cached(config.name, config.code(), want_ptx=True)
     ptx = entry.ptx_path.read_text()
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+) ", ptx)
     assert shapes and set(shapes) == {("m64n128k32", "e4m3", "e4m3")}, shapes
-    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == {"0"}
+    waits = {"0"} if mainloop == "serial" else {"0", "1"}
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == waits
+    # The scales come from shared memory (the producer's 4-byte cp.async), none from global memory in
+    # the consumers' loop: 16 8-byte column-scale loads per k-block.
+    assert "cp.async.ca.shared.global" in ptx and "ld.shared.v2.f32" in ptx
     log = (entry.path / "ptxas.log").read_text()
     assert "wgmma.mma_async instructions are serialized" not in log and "warpgroup.wait is injected" not in log, \
         log[-2000:]
@@ -214,12 +234,12 @@ def _transposed(a_q, sa, b_q, sb):
     return a_q.t().contiguous(), sa.t().contiguous(), b_q.t().contiguous(), sb.t().contiguous()
 
 
-def _run(a_q, sa, b_q, sb, starts, ends):
-    """The kernel on NaN-poisoned output; returns it."""
+def _run(a_q, sa, b_q, sb, starts, ends, mainloop="serial"):
+    """The kernel (mainloop schedule ``mainloop``) on NaN-poisoned output; returns it."""
     at_q, s_a, bt_q, s_b = _transposed(a_q, sa, b_q, sb)
     e, m, n = starts.shape[0], a_q.shape[1], b_q.shape[1]
     out = torch.full((e, m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    result = k_grouped_fp8_gemm_nt_contiguous(at_q, s_a, bt_q, s_b, starts, ends, out)
+    result = k_grouped_fp8_gemm_nt_contiguous(at_q, s_a, bt_q, s_b, starts, ends, out, mainloop=mainloop)
     assert result is out
     torch.cuda.synchronize()
     return out
@@ -261,15 +281,16 @@ _CASES = {
 
 
 @requires_hopper
+@pytest.mark.parametrize("mainloop", fg.MAINLOOP_SCHEDULES)
 @pytest.mark.parametrize("m, n", [(256, 128), (128, 136), (384, 264)])
 @pytest.mark.parametrize("case", sorted(_CASES))
-def test_exact_operands_match_the_emulation_bit_for_bit(case, m, n, exact_fp32_matmul):
+def test_exact_operands_match_the_emulation_bit_for_bit(case, m, n, mainloop, exact_fp32_matmul):
     rows, bounds = _CASES[case]
     seed = _seed(case, m, n)
     g = torch.Generator().manual_seed(seed)
     a_q, sa, b_q, sb = _int_operands(rows, m, n, g, exact=True)
     starts, ends = _ranges(bounds)
-    out = _run(a_q, sa, b_q, sb, starts, ends)
+    out = _run(a_q, sa, b_q, sb, starts, ends, mainloop)
     emu, ref, _ = _references(a_q, sa, b_q, sb, starts, ends)
     assert not out.isnan().any(), f"seed {seed}: unwritten output elements"
     assert torch.equal(emu.double(), ref), f"seed {seed}: the emulation itself is not exact"
@@ -282,15 +303,16 @@ def test_exact_operands_match_the_emulation_bit_for_bit(case, m, n, exact_fp32_m
 
 
 @requires_hopper
+@pytest.mark.parametrize("mainloop", fg.MAINLOOP_SCHEDULES)
 @pytest.mark.parametrize("case", ["gaps_and_empty", "ragged_end", "one_expert"])
-def test_fp32_scales_within_fp32_rounding(case, exact_fp32_matmul):
+def test_fp32_scales_within_fp32_rounding(case, mainloop, exact_fp32_matmul):
     rows, bounds = _CASES[case]
     m, n = 256, 200
     seed = _seed("fp32", case)
     g = torch.Generator().manual_seed(seed)
     a_q, sa, b_q, sb = _int_operands(rows, m, n, g, exact=False)
     starts, ends = _ranges(bounds)
-    out = _run(a_q, sa, b_q, sb, starts, ends)
+    out = _run(a_q, sa, b_q, sb, starts, ends, mainloop)
     emu, ref, mag = _references(a_q, sa, b_q, sb, starts, ends)
     assert not out.isnan().any(), f"seed {seed}: unwritten output elements"
     err = (out.double() - emu.double()).abs()
@@ -325,6 +347,9 @@ def test_qwen3_weight_gradient_shapes(m, n, routing, exact_fp32_matmul):
     assert torch.equal(at_q.view(torch.uint8), a_q.t().contiguous().view(torch.uint8)), f"seed {seed}"
     assert torch.equal(s_a, sa.t().contiguous()), f"seed {seed}"
     out = _run(a_q, sa, b_q, sb, starts, ends)
+    # The two schedules promote the same partial sums in the same order: the same bits.
+    overlap = _run(a_q, sa, b_q, sb, starts, ends, "overlap")
+    assert torch.equal(out.view(torch.int16), overlap.view(torch.int16)), f"seed {seed}: the schedules differ"
     emu, ref, _ = _references(a_q, sa, b_q, sb, starts, ends)
     assert not out.isnan().any(), f"seed {seed}: unwritten output elements"
     for i, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):

@@ -157,10 +157,9 @@ _FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
 #: sets, issuing k-block kb + 1 before promoting kb. Same bits under both.
 FP8_MAINLOOPS = {"serial": "dge::gemm::MainloopFP8", "overlap": "dge::gemm::MainloopFP8Overlap"}
-#: Stages of the fp8 M-grouped GEMMs per N tile: each stage also holds its 528 bytes of scales
-#: (MainloopFP8::kStageScaleBytes), so the 128-wide tile takes 5 x 32 KiB (6 with them and the
-#: epilogue's 32 KiB exceed 227 KiB), the 192-wide one 4 x 40 KiB. The K-grouped one loads its scales
-#: from global memory and keeps 6.
+#: Stages of the fp8 GEMMs per N tile: each stage also holds its scales (MainloopFP8::kStageScaleBytes:
+#: 528 bytes M-grouped, 1 KiB K-grouped), so the 128-wide tile takes 5 x 32 KiB (6 with them and the
+#: epilogue's 32 KiB exceed 227 KiB), the 192-wide one 4 x 40 KiB.
 _FP8_STAGES = {128: 5, 192: 4}
 #: Ring depths of the fp8 GEMMs with K compiled in (GemmConfig.shape_k), most preferred first: the
 #: k-block count must be a multiple of the depth (every tile then starts at stage 0). Not 3: the
@@ -253,10 +252,10 @@ class GemmConfig:
         if self.layout not in _TYPES:
             raise ValueError(f"GemmConfig: layout={self.layout!r}, expected one of {tuple(_TYPES)}")
         if self.dtype == "fp8" and self.layout == "k_nt":
-            # The K-grouped fp8 GEMM: plain store of the [E, M, N] output, serial mainloop (its
-            # per-column scales leave no registers for the overlap's second partial set).
+            # The K-grouped fp8 GEMM: plain store of the [E, M, N] output, 128-wide tiles (its 32
+            # per-column scales a thread beside two 64-register partial sets), either mainloop.
             fp8 = dict(block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False, schedule="cooperative",
-                       epilogue="store", fp8_mainloop="serial")
+                       epilogue="store")
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
             if wrong:
                 raise ValueError(f"GemmConfig: dtype='fp8' with layout='k_nt' takes {fp8}, got {wrong}")
@@ -323,7 +322,7 @@ class GemmConfig:
     def stages(self) -> int:
         if self.shape_k:
             return fp8_static_k_stages(self.shape_k, self.block_n)
-        if self.dtype == "fp8" and self.layout != "k_nt":
+        if self.dtype == "fp8":
             return _FP8_STAGES[self.block_n]
         return _STAGED_STAGES[self.block_n] if self.epilogue_buffers != 2 else _STAGES[self.block_n]
 

@@ -32,7 +32,8 @@ i.e. ``D[e] = A_e^T @ B_e`` for pools A [P, M], B [P, N] quantized along their r
 (``quantize_cols``), given transposed: ``at_q, sa = quantize_rows(A.T)`` equals ``quantize_cols(A)``
 with data and scales transposed, bit for bit. The kernel reads them K-major (e4m3 wgmma's only
 major), each expert's k-blocks starting at its first pool row; ``recipes.fp8.emulate_grouped_gemm_tn``
-is the fp32 reference. Serial mainloop only (the per-column B scales take 32 registers per thread).
+is the fp32 reference. Both mainloop schedules (``mainloop=``); the scales of both operands are staged
+in shared memory per stage by the producer, a consumer thread reading its 2 row and 32 column scales.
 """
 from __future__ import annotations
 
@@ -66,8 +67,11 @@ def _configs() -> list[GemmConfig]:
             for epilogue in ("store", "scatter", "scatter_weighted")]
 
 
-#: The K-grouped weight-gradient GEMM's one configuration.
-K_GROUPED_CONFIG = GemmConfig("k_nt", _FP8_BLOCK_N, dtype="fp8")
+#: The K-grouped weight-gradient GEMM's configurations, one per mainloop schedule, and the default one.
+K_GROUPED_CONFIGS = {mainloop: GemmConfig("k_nt", _FP8_BLOCK_N, dtype="fp8", fp8_mainloop=mainloop)
+                     for mainloop in MAINLOOP_SCHEDULES}
+K_GROUPED_MAINLOOP = "serial"
+K_GROUPED_CONFIG = K_GROUPED_CONFIGS[K_GROUPED_MAINLOOP]
 
 
 @jit.register("sm90_fp8_grouped_gemm")
@@ -77,7 +81,7 @@ def configs():
 
 @jit.register("sm90_fp8_k_grouped_gemm")
 def k_grouped_configs():
-    return [(K_GROUPED_CONFIG.name, K_GROUPED_CONFIG.code(), True)]
+    return [(c.name, c.code(), True) for c in K_GROUPED_CONFIGS.values()]
 
 
 def _blocks(size: int) -> int:
@@ -199,7 +203,8 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
 
 def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q: torch.Tensor, sb: torch.Tensor,
                                      starts: torch.Tensor, ends: torch.Tensor,
-                                     out: torch.Tensor | None = None) -> torch.Tensor:
+                                     out: torch.Tensor | None = None, *,
+                                     mainloop: str = K_GROUPED_MAINLOOP) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = dequant(at_q, sa)[:, s:t] @ dequant(bt_q, sb)[:, s:t].T`` over
     expert e's pool rows [s, t), accumulated in fp32 with the scales applied per 128-row k-block
     (module docstring); experts without rows get zeros.
@@ -209,8 +214,10 @@ def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q:
     starts/ends [E] int32 on the device; all contiguous. Every expert's rows start on a multiple of
     128 and end on one or at P (the routed pool's alignment; not checked on the host, which would
     synchronise). M must be a multiple of 128 (output tiles do not cross experts), N of 8, P of 16
-    (16-byte rows of e4m3 for TMA).
+    (16-byte rows of e4m3 for TMA). ``mainloop``: "serial" or "overlap" (MAINLOOP_SCHEDULES), same bits.
     """
+    if mainloop not in K_GROUPED_CONFIGS:
+        raise ValueError(f"mainloop={mainloop!r}, expected one of {MAINLOOP_SCHEDULES}")
     for label, t, dim, dtype in (("at_q", at_q, 2, FP8_DTYPE), ("sa", sa, 2, torch.float32),
                                  ("bt_q", bt_q, 2, FP8_DTYPE), ("sb", sb, 2, torch.float32),
                                  ("starts", starts, 1, torch.int32), ("ends", ends, 1, torch.int32)):
@@ -230,6 +237,9 @@ def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q:
     _check_multiple("M", m, _BLOCK_M, "output tiles of 128 rows must not cross experts")
     _check_multiple("N", n, 8, "16-byte rows of the bf16 output for TMA")
     _check_multiple("P", rows, 16, "16-byte rows of e4m3 for TMA")
+    for label, scale in (("sa", sa), ("sb", sb)):
+        if scale.numel() >= 2 ** 32:  # the producer's 32-bit element offsets
+            raise ValueError(f"{label}: {scale.numel()} scales, expected fewer than 2**32")
     _check_inputs(at_q, bt_q, 2, starts, ends, names=("at_q", "bt_q"), dtype=FP8_DTYPE,
                   extra=(("sa", sa, 2, torch.float32), ("sb", sb, 2, torch.float32)))
     out = _check_out(out, (num_experts, m, n), at_q.device)
@@ -237,7 +247,7 @@ def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q:
         return out
     if rows == 0:
         return out.zero_()
-    config = K_GROUPED_CONFIG
+    config = K_GROUPED_CONFIGS[mainloop]
     with jit.device_guard(at_q):
         b_map = jit.make_tma_2d(bt_q, 64, 128)
         c_map = jit.make_tma_2d(out, 64, 64, rows=num_experts * m, cols=n)

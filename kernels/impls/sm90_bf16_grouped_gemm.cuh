@@ -293,14 +293,14 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             // the tensor cores idle (the search and the index arithmetic were ~14% of a consumer's time
             // at K = 768, ncu). A tile with no k-blocks runs no wgmma: its successor is found after it.
             // Not in the fp8 kernels where the search, inlined beside two accumulator sets in flight,
-            // made ptxas spill: clusters of 2, K groups (per-column scales), and a whole tile unrolled
-            // per start stage (K compiled in, the ring not dividing its k-blocks) past 6 k-blocks
-            // (7 to 15 of them spilled 272-1276 bytes with the store epilogue).
+            // made ptxas spill: clusters of 2, and a whole tile unrolled per start stage (K compiled in,
+            // the ring not dividing its k-blocks) past 6 k-blocks (7 to 15 of them spilled 272-1276
+            // bytes with the store epilogue). The K-grouped fp8 GEMM takes it since its column scales
+            // are staged in shared memory (they had been 32 more registers across the loop).
             constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
             constexpr bool kLookahead =
                 !(Traits::kElement == ElementType::E4M3 &&
-                  (kClusterN > 1 || Traits::kType == GroupedGemmType::KGroupedContiguous ||
-                   (kUnrolledTile && Traits::kNumKBlocks > 6)));
+                  (kClusterN > 1 || (kUnrolledTile && Traits::kNumKBlocks > 6)));
             if constexpr (kLookahead) {
                 bool have = scheduler.next(tile);
                 while (have) {

@@ -30,17 +30,23 @@
 //     wait_group 1 (kb's group done, kb + 1's still running), so one k-block of wgmmas stays in
 //     flight through every promotion but the last. Each stage is freed after the wait that covers
 //     its wgmmas. acc 64 + 2 x 64 partial fp32 registers per thread at BLOCK_N = 128.
-// K-grouped (weight gradients, Traits::kKGrouped, serial schedule only; scales from global memory,
-// loaded by the consumers one k-block ahead): D[e] = A_e^T B_e with both
-// pools quantized along their rows (the contraction) in 128 x 1 tiles, read transposed:
+// K-grouped (weight gradients, Traits::kKGrouped): D[e] = A_e^T B_e with both pools quantized along
+// their rows (the contraction) in 128 x 1 tiles, read transposed:
 //
 //   out[e][m, n] = sum over the expert's k-blocks kb of
 //                  ( sum_{k in kb} at_q[m, k] * bt_q[n, k] ) * sa[m, kb] * sb[n, kb]
 //
 // at_q [M, P], bt_q [N, P] e4m3 K-major, sa [M, ceil(P/128)], sb [N, ceil(P/128)], kb the pool's k-block
-// index (the expert's first row / 128 + j). The B scale is per output column here: a thread
-// loads, per k-block, the scales of its accumulator columns (2 per 8-column group of the m64n128
-// fragment: 32), and promotes each element with sa[row] * sb[col].
+// index (the expert's first row / 128 + j). The B scale is per output column here. Its scales are
+// staged like the M-grouped ones: each stage has the 128 row scales of the tile's A block and the 128
+// column scales of its B block (1 KiB), copied by the producer's second warp (8 cp.async per lane). A
+// consumer thread reads its two rows' scales and its 32 columns' (2 per 8-column group of the m64n128
+// fragment, adjacent: 16 8-byte loads, the same 4 addresses in the 8 lanes of a row group, so one
+// wavefront each), and promotes each element with sa[row] * sb[col]. Before, each consumer thread loaded
+// those 34 scales from global memory for every k-block (the 32 column scales P/128 floats apart, a
+// sector each). Under the overlap schedule the K-grouped loop reads a k-block's scales after the wait
+// that covers its wgmmas, just before freeing the stage, so that one set of 34 scales is live beside the
+// accumulator and the two partial sets (64 + 2 x 64 registers).
 //
 // 128 x 192 tiles (M-grouped, serial schedule; acc 96 + partial 96 registers): a tile's columns
 // [n0, n0 + 192) span two 128-column blocks of B's scales, switching after the first 128 - n0 % 128
@@ -83,19 +89,18 @@ struct MainloopFP8 {
     static constexpr uint32_t kNumArgs = 2;
     static constexpr uint32_t kWgmmasPerBlock = Traits::kBlockK / MMA::K;
     static constexpr bool kKGrouped = Traits::kKGrouped;
-    static_assert(!kKGrouped || !kOverlapPromotion,
-                  "MainloopFP8: the K-grouped GEMM's per-column scales leave no registers for a second partial set");
     // B scales a thread applies per k-block: the tile's one weight-block scale (M-grouped), or one
     // per accumulator column (K-grouped: columns 8 j + 2 (lane % 4) + t of the tile, index 2 j + t).
     static constexpr uint32_t kNumScalesB = kKGrouped ? kNumAccum / 2 : 1;
-    // M-grouped: a stage's scales in shared memory (file comment), 16-byte aligned: the 128 row
-    // scales, then the tile's B scale (192-wide tiles: its two B scales).
-    static constexpr bool kStagedScales = !kKGrouped;
-    static constexpr uint32_t kStageScaleBytes = (BLOCK_M + 4) * 4;
+    // A stage's scales in shared memory (file comment), 16-byte aligned: the 128 row scales, then the
+    // tile's B scale (192-wide tiles: its two B scales; K-grouped: its 128 column scales).
+    static constexpr uint32_t kStageScaleBytes = kKGrouped ? (BLOCK_M + Traits::BLOCK_N) * 4 : (BLOCK_M + 4) * 4;
     static constexpr uint32_t kScaleBOffset = BLOCK_M * 4;
     static constexpr uint32_t kNumBlocksB = kTwoBlocksB ? 2 : 1;
-    static constexpr uint32_t kSmemBytes = kStagedScales ? Traits::kNumStages * kStageScaleBytes : 0;
-    static constexpr uint32_t kProducerArrivals = kStagedScales ? 32 : 0;
+    static constexpr uint32_t kSmemBytes = Traits::kNumStages * kStageScaleBytes;
+    static constexpr uint32_t kProducerArrivals = 32;
+    // The overlap schedule reads the K-grouped scales late (file comment).
+    static constexpr bool kLateScales = kKGrouped;
 
     // The low descriptor words of stage 0's A slice (the warpgroup's first 64-row slice) and B tile,
     // made once per tile; stage st's are these plus st times the stage's bytes / 16, a wgmma's K
@@ -116,31 +121,22 @@ struct MainloopFP8 {
         uint32_t block_b;
     };
 
-    // Where a thread's B scales of k-block kb live (K-grouped): column c of the tile at
-    // base + min(c - c0, max_dc) * stride + kb, c0 the thread's first column; columns past N read
-    // the last column's scales.
-    struct ColumnScales {
-        const float* base;
-        uint32_t max_dc;
-        uint32_t stride;
-    };
     // 192-wide tiles: the tile's two weight-block scales of a k-block (which 8-column groups take the
     // first is serial_loop's kSplit).
     struct TwoBlockScales {
         float first;
         float second;
     };
-    using ScalesBPtr = std::conditional_t<kKGrouped, ColumnScales, const float*>;  // M-grouped: unused
     using ScalesB = std::conditional_t<kKGrouped, float[kNumScalesB], std::conditional_t<kTwoBlocksB, TwoBlockScales, float>>;
 
     struct Params {
         const float* scale_a;
         const float* scale_b;
-        uint32_t smem;       // the stages' scales (M-grouped)
+        uint32_t smem;       // the stages' scales
         uint32_t last_row;   // shape_m - 1: rows of a tile past the pool read the last row's scales
         uint32_t k_blocks;   // ceil(K / 128): scales per row of sa, per block row of sb
         uint32_t n_blocks;   // ceil(N / 128)
-        uint32_t last_col;   // shape_n - 1 (K-grouped: columns of a tile past N read the last column's scales)
+        uint32_t last_col;   // shape_n - 1 (K-grouped: columns of a tile past N copy the last column's scales)
 
         template <class... Rest>
         __device__ Params(uint32_t smem_, uint32_t shape_m, uint32_t shape_n, uint32_t shape_k, const float* sa,
@@ -162,36 +158,19 @@ struct MainloopFP8 {
             return mma_serial(acc, pipe, st, tile, params, stages, first_slice, lane, during);
     }
 
-    // The producer warpgroup's second warp (M-grouped): each stage's scales, for the same tiles in
-    // the same order as the TMA loads, once the consumers of both CTAs have freed the stage.
+    // The producer warpgroup's second warp: each stage's scales, for the same tiles in the same order
+    // as the TMA loads, once the consumers of both CTAs have freed the stage.
     template <class Pipe, class Scheduler>
     __device__ __forceinline__ static void produce(const Pipe& pipe, Scheduler& scheduler, const Params& params,
                                                    uint32_t lane) {
-        static_assert(kStagedScales, "MainloopFP8::produce: the M-grouped GEMM's staged scales");
         sm90::PipelineState<Traits::kNumStages> st;
         sched::GroupedTile tile;
         while (scheduler.next(tile)) {
             // Few registers live across the k-blocks: the producer warpgroup runs on 40 of them.
-            const uint32_t row0 = tile.m_block * BLOCK_M + lane;
-            // Lane j < kNumBlocksB copies the tile's j-th B scale: its block, block0 + j (192-wide
-            // tiles: past N, the last block's again; those columns are not stored).
-            const uint32_t block = min(tile.n_block * Traits::BLOCK_N / kScaleBlock + lane, params.n_blocks - 1);
-            const float* scale_b =
-                params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + block) * params.k_blocks;
-#pragma unroll 1
-            for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
-                ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
-                const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
-#pragma unroll
-                for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
-                    // 32-bit element offsets: sa has M * ceil(K/128) < 2^32 elements (the launcher checks).
-                    const uint32_t row = min(row0 + 32 * i, params.last_row);
-                    ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb));
-                }
-                if (lane < kNumBlocksB)
-                    ptx::cp_async_4(dst + kScaleBOffset, scale_b + kb);
-                ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
-            }
+            if constexpr (kKGrouped)
+                produce_k_grouped(pipe, st, tile, params, lane);
+            else
+                produce_m_grouped(pipe, st, tile, params, lane);
         }
     }
 
@@ -201,6 +180,64 @@ struct MainloopFP8 {
                                                   uint32_t) {}
 
 private:
+    // M-grouped: lane l copies the row scales of rows l + 32 i of the tile; lane j < kNumBlocksB the
+    // tile's j-th B scale: its block, block0 + j (192-wide tiles: past N, the last block's again; those
+    // columns are not stored).
+    template <class Pipe>
+    __device__ __forceinline__ static void produce_m_grouped(const Pipe& pipe,
+                                                             sm90::PipelineState<Traits::kNumStages>& st,
+                                                             const sched::GroupedTile& tile, const Params& params,
+                                                             uint32_t lane) {
+        const uint32_t row0 = tile.m_block * BLOCK_M + lane;
+        const uint32_t block = min(tile.n_block * Traits::BLOCK_N / kScaleBlock + lane, params.n_blocks - 1);
+        const float* scale_b =
+            params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + block) * params.k_blocks;
+#pragma unroll 1
+        for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
+            ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
+            const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
+#pragma unroll
+            for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
+                // 32-bit element offsets: sa has M * ceil(K/128) < 2^32 elements (the launcher checks).
+                const uint32_t row = min(row0 + 32 * i, params.last_row);
+                ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb));
+            }
+            if (lane < kNumBlocksB)
+                ptx::cp_async_4(dst + kScaleBOffset, scale_b + kb);
+            ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
+        }
+    }
+
+    // K-grouped: lane l copies the scales of the tile's rows l + 32 i (the expert's M rows, M a multiple
+    // of 128) and of its columns l + 32 i (past N: the last column's; those columns are not stored), of
+    // the pool's k-block k_row / 128 + kb. 32-bit element offsets: M and N times ceil(P/128) are below
+    // 2^32 (the launcher checks).
+    template <class Pipe>
+    __device__ __forceinline__ static void produce_k_grouped(const Pipe& pipe,
+                                                             sm90::PipelineState<Traits::kNumStages>& st,
+                                                             const sched::GroupedTile& tile, const Params& params,
+                                                             uint32_t lane) {
+        const uint32_t row0 = tile.m_block * BLOCK_M + lane;
+        const uint32_t col0 = tile.n_block * Traits::BLOCK_N + lane;
+        const uint32_t kb0 = tile.k_row / kScaleBlock;
+#pragma unroll 1
+        for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
+            ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
+            const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
+#pragma unroll
+            for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
+                const uint32_t row = min(row0 + 32 * i, params.last_row);
+                ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb0 + kb));
+            }
+#pragma unroll
+            for (uint32_t i = 0; i < Traits::BLOCK_N / 32; ++i) {
+                const uint32_t col = min(col0 + 32 * i, params.last_col);
+                ptx::cp_async_4(dst + kScaleBOffset + 32 * i * 4, params.scale_b + (col * params.k_blocks + kb0 + kb));
+            }
+            ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
+        }
+    }
+
     // The serial schedule (file comment). 192-wide tiles: the k-loop is instantiated for each of the
     // two places where the tile's columns cross into the second weight block (kSplit: 8-column groups
     // of the fragment in the first block; n0 % 128 is 0 or 64), chosen once per tile, so the
@@ -227,10 +264,6 @@ private:
                                                            const sched::GroupedTile& tile, const Params& params,
                                                            const Stages& stages, uint32_t first_slice,
                                                            uint32_t lane, const During& during) {
-        const float* sa_ptr[kSlices][2];
-        ScalesBPtr sb_ptr;
-        if constexpr (!kStagedScales)
-            sb_ptr = scale_pointers(sa_ptr, tile, params, first_slice, lane);
         const StagedScales scales = staged_scales(params, first_slice, lane);
         const DescBase desc(stages, first_slice);
 
@@ -243,11 +276,6 @@ private:
         }
         float sa[kSlices][2];
         ScalesB sb;
-        zero_scales_b(sb);
-        if constexpr (!kStagedScales) {
-            if (tile.num_k_blocks > 0)
-                load_scales(sa, sb, sa_ptr, sb_ptr, 0);
-        }
 
         const uint32_t num_k_blocks = tile_k_blocks(tile, st);
         uint32_t last_stage = 0;
@@ -255,33 +283,19 @@ private:
             pipe.consumer_wait(st);
             if constexpr (kGenericProxyWrites)
                 ptx::fence_proxy_async_smem();
-            if constexpr (kStagedScales)
-                read_scales(sa, sb, scales, st.stage);
+            read_scales(sa, sb, scales, st.stage);
             mma::fence_accumulators(partial);
             ptx::wgmma_fence();
             issue_block(partial, desc, st.stage);
             mma::fence_accumulators(partial);
             if (kb == 0)
                 during();
-            // K-grouped: the next k-block's scales load while this one's wgmmas run.
-            float next_sa[kSlices][2];
-            ScalesB next_sb;
-            if constexpr (!kStagedScales)
-                load_scales(next_sa, next_sb, sa_ptr, sb_ptr, kb + 1 < num_k_blocks ? kb + 1 : kb);
             ptx::wgmma_wait_group<0>();
             mma::fence_accumulators(partial);
             pipe.consumer_release(st.stage, lane);
             last_stage = st.stage;
             st.advance();
             promote<kSplit>(acc, partial, sa, sb);
-            if constexpr (!kStagedScales) {
-#pragma unroll
-                for (uint32_t s = 0; s < kSlices; ++s) {
-                    sa[s][0] = next_sa[s][0];
-                    sa[s][1] = next_sa[s][1];
-                }
-                copy_scales_b(sb, next_sb);
-            }
         };
         if constexpr (Traits::kStaticRing) {
             // K compiled in, the ring's depth dividing the k-blocks: a loop over the tile's turns of
@@ -352,12 +366,14 @@ private:
         mma::fence_accumulators(acc);
         mma::fence_accumulators(partial[0]);
         mma::fence_accumulators(partial[1]);
-        float sa[kSlices][2], sb;
+        float sa[kSlices][2];
+        ScalesB sb;
         // k-block 0 into partial[0]. Every control-flow join below sees the same wgmmas in flight
         // (partial[0]'s group, holding k-block kb), and both exits wait for all of them: a join
         // with different groups in flight on its two sides makes ptxas serialize the wgmmas.
         uint32_t stage = issue(partial[0], pipe, st, desc);
-        read_scales(sa, sb, scales, stage);
+        if constexpr (!kLateScales)
+            read_scales(sa, sb, scales, stage);
         during();
         uint32_t kb = 0;
         for (; kb + 2 < num_k_blocks; kb += 2) {
@@ -367,9 +383,9 @@ private:
         // One or two k-blocks left, the first in flight in partial[0].
         if (kb + 1 < num_k_blocks) {
             overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, scales, stage, lane);
-            last_step(acc, partial[1], pipe, sa, sb, stage, lane);
+            last_step(acc, partial[1], pipe, sa, sb, scales, stage, lane);
         } else {
-            last_step(acc, partial[0], pipe, sa, sb, stage, lane);
+            last_step(acc, partial[0], pipe, sa, sb, scales, stage, lane);
         }
         return stage;
     }
@@ -405,30 +421,40 @@ private:
         return stage;
     }
 
-    // `cur` holds a k-block in flight, read from `stage` with scales sa, sb: issues the next
-    // k-block into `next`, waits for cur's group only, frees its stage and promotes it. Leaves
-    // `stage`, sa and sb those of the next k-block.
+    // `cur` holds a k-block in flight, read from `stage` with scales sa, sb (kLateScales: not read
+    // yet): issues the next k-block into `next`, waits for cur's group only, frees its stage and
+    // promotes it. Leaves `stage`, and sa and sb unless kLateScales, those of the next k-block.
     template <uint32_t kSlices, class Pipe>
     __device__ __forceinline__ static void overlap_step(float (&acc)[kSlices][kNumAccum],
                                                         float (&cur)[kSlices][kNumAccum],
                                                         float (&next)[kSlices][kNumAccum], const Pipe& pipe,
                                                         sm90::PipelineState<Traits::kNumStages>& st,
-                                                        const DescBase& desc, float (&sa)[kSlices][2], float& sb,
+                                                        const DescBase& desc, float (&sa)[kSlices][2], ScalesB& sb,
                                                         const StagedScales& scales, uint32_t& stage, uint32_t lane) {
         const uint32_t next_stage = issue(next, pipe, st, desc);
-        // The next k-block's scales, read while both groups run.
-        float next_sa[kSlices][2], next_sb;
-        read_scales(next_sa, next_sb, scales, next_stage);
-        ptx::wgmma_wait_group<1>();
-        mma::fence_accumulators(cur);
-        pipe.consumer_release(stage, lane);
-        promote(acc, cur, sa, sb);
+        if constexpr (kLateScales) {
+            // cur's scales once its wgmmas are done, from its stage before it is freed.
+            ptx::wgmma_wait_group<1>();
+            mma::fence_accumulators(cur);
+            read_scales(sa, sb, scales, stage);
+            pipe.consumer_release(stage, lane);
+            promote(acc, cur, sa, sb);
+        } else {
+            // The next k-block's scales, read while both groups run.
+            float next_sa[kSlices][2];
+            ScalesB next_sb;
+            read_scales(next_sa, next_sb, scales, next_stage);
+            ptx::wgmma_wait_group<1>();
+            mma::fence_accumulators(cur);
+            pipe.consumer_release(stage, lane);
+            promote(acc, cur, sa, sb);
 #pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            sa[s][0] = next_sa[s][0];
-            sa[s][1] = next_sa[s][1];
+            for (uint32_t s = 0; s < kSlices; ++s) {
+                sa[s][0] = next_sa[s][0];
+                sa[s][1] = next_sa[s][1];
+            }
+            sb = next_sb;
         }
-        sb = next_sb;
         stage = next_stage;
     }
 
@@ -436,10 +462,12 @@ private:
     template <uint32_t kSlices, class Pipe>
     __device__ __forceinline__ static void last_step(float (&acc)[kSlices][kNumAccum],
                                                      float (&cur)[kSlices][kNumAccum], const Pipe& pipe,
-                                                     const float (&sa)[kSlices][2], float sb, uint32_t stage,
-                                                     uint32_t lane) {
+                                                     float (&sa)[kSlices][2], ScalesB& sb, const StagedScales& scales,
+                                                     uint32_t stage, uint32_t lane) {
         ptx::wgmma_wait_group<0>();
         mma::fence_accumulators(cur);
+        if constexpr (kLateScales)
+            read_scales(sa, sb, scales, stage);
         pipe.consumer_release(stage, lane);
         promote(acc, cur, sa, sb);
     }
@@ -519,27 +547,35 @@ private:
         promote(acc, partial, sa, sb);
     }
 
-    // The staged scales (M-grouped): smem addresses in stage 0 of this thread's first row scale and
-    // of the tile's B scale. wgmma m64 fragment: thread (warp w, lane l) of the warpgroup holds rows
-    // 16 w + l / 4 (accumulators i with i % 4 < 2) and 16 w + l / 4 + 8 (the others) of each slice.
+    // The staged scales: smem addresses in stage 0 of this thread's first row scale and of the tile's B
+    // scale (K-grouped: of its first column's, column 2 (l % 4) of the tile). wgmma m64 fragment: thread
+    // (warp w, lane l) of the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and
+    // 16 w + l / 4 + 8 (the others) of each slice, and columns 8 j + 2 (l % 4) + {0, 1} (accumulators
+    // 4 j .. 4 j + 3).
     __device__ __forceinline__ static StagedScales staged_scales(const Params& params, uint32_t first_slice,
                                                                  uint32_t lane) {
         const uint32_t warp = (threadIdx.x % 128) / 32;
+        const uint32_t first_col = kKGrouped ? 2 * (lane % 4) : 0;
         return StagedScales{params.smem + (first_slice * 64 + warp * 16 + lane / 4) * 4,
-                            params.smem + kScaleBOffset};
+                            params.smem + kScaleBOffset + first_col * 4};
     }
 
     // A stage's scales of this thread's rows (slice s: rows + 64 s and + 64 s + 8) and the tile's B
     // scale (the same address in every thread: a broadcast).
     template <uint32_t kSlices>
-    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], float& sb, const StagedScales& scales,
-                                                       uint32_t stage) {
-        const uint32_t offset = stage * kStageScaleBytes;
+    __device__ __forceinline__ static void read_row_scales(float (&sa)[kSlices][2], const StagedScales& scales,
+                                                           uint32_t offset) {
 #pragma unroll
         for (uint32_t s = 0; s < kSlices; ++s) {
             sa[s][0] = ptx::ld_shared_f32(scales.rows + offset + s * 64 * 4);
             sa[s][1] = ptx::ld_shared_f32(scales.rows + offset + (s * 64 + 8) * 4);
         }
+    }
+    template <uint32_t kSlices>
+    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], float& sb, const StagedScales& scales,
+                                                       uint32_t stage) {
+        const uint32_t offset = stage * kStageScaleBytes;
+        read_row_scales(sa, scales, offset);
         sb = ptx::ld_shared_f32(scales.block_b + offset);
     }
     template <uint32_t kSlices>
@@ -548,58 +584,18 @@ private:
         read_scales(sa, sb.first, scales, stage);
         sb.second = ptx::ld_shared_f32(scales.block_b + stage * kStageScaleBytes + 4);
     }
-
-    // K-grouped: where each thread's row scales (its two rows of every 64-row slice) and its columns'
-    // scales (ColumnScales) start; k-block kb's are at offset kb. wgmma m64 fragment: thread (warp w,
-    // lane l) of the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and
-    // 16 w + l / 4 + 8 (the others) of each slice. Rows past M read the last row's scales. The rows are
-    // the expert's M rows, k-block kb of the tile is the pool's k-block k_row / 128 + kb.
+    // K-grouped: the thread's 32 column scales, sb[2 j + t] that of column 8 j + 2 (l % 4) + t, as 16
+    // 8-byte loads (the 8 lanes of a row group read the same 4 addresses).
     template <uint32_t kSlices>
-    __device__ __forceinline__ static ScalesBPtr scale_pointers(const float* (&sa_ptr)[kSlices][2],
-                                                             const sched::GroupedTile& tile, const Params& params,
-                                                             uint32_t first_slice, uint32_t lane) {
-        static_assert(kKGrouped, "MainloopFP8::scale_pointers: the M-grouped GEMM's scales are staged");
-        const uint32_t warp = (threadIdx.x % 128) / 32;
+    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], float (&sb)[kNumScalesB],
+                                                       const StagedScales& scales, uint32_t stage) {
+        const uint32_t offset = stage * kStageScaleBytes;
+        read_row_scales(sa, scales, offset);
 #pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t h = 0; h < 2; ++h) {
-                const uint32_t row = tile.m_block * BLOCK_M + (first_slice + s) * 64 + warp * 16 + lane / 4 + 8 * h;
-                sa_ptr[s][h] = params.scale_a + static_cast<uint64_t>(min(row, params.last_row)) * params.k_blocks +
-                               tile.k_row / kScaleBlock;
-            }
-        }
-        const uint32_t col0 = tile.n_block * Traits::BLOCK_N + 2 * (lane % 4);  // < N: the tile starts inside N
-        const float* base = params.scale_b + static_cast<uint64_t>(col0) * params.k_blocks;
-        return ColumnScales{base + tile.k_row / kScaleBlock, params.last_col - col0, params.k_blocks};
-    }
-
-    __device__ __forceinline__ static void zero_scales_b(float& sb) { sb = 0.0f; }
-    __device__ __forceinline__ static void zero_scales_b(TwoBlockScales& sb) { sb = TwoBlockScales{0.0f, 0.0f}; }
-    __device__ __forceinline__ static void zero_scales_b(float (&sb)[kNumScalesB]) {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumScalesB; ++i)
-            sb[i] = 0.0f;
-    }
-    __device__ __forceinline__ static void copy_scales_b(float (&sb)[kNumScalesB], const float (&next)[kNumScalesB]) {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumScalesB; ++i)
-            sb[i] = next[i];
-    }
-
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void load_scales(float (&sa)[kSlices][2], float (&sb)[kNumScalesB],
-                                                       const float* (&sa_ptr)[kSlices][2], const ColumnScales& sb_ptr,
-                                                       uint32_t kb) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            sa[s][0] = __ldg(sa_ptr[s][0] + kb);
-            sa[s][1] = __ldg(sa_ptr[s][1] + kb);
-        }
-#pragma unroll
-        for (uint32_t i = 0; i < kNumScalesB; ++i) {
-            const uint32_t dc = min(8 * (i / 2) + (i & 1), sb_ptr.max_dc);
-            sb[i] = __ldg(sb_ptr.base + static_cast<uint64_t>(dc) * sb_ptr.stride + kb);
+        for (uint32_t j = 0; j < kNumScalesB / 2; ++j) {
+            const float2 v = ptx::ld_shared_f32x2(scales.block_b + offset + 8 * j * 4);
+            sb[2 * j] = v.x;
+            sb[2 * j + 1] = v.y;
         }
     }
 };
