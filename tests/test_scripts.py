@@ -375,6 +375,15 @@ def test_gemm_bench_ceiling_without_gpu_says_why(capsys):
         gemm_bench.main(["--ceiling", "--fp8"])  # one table at a time
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU --wgrad runs its table")
+def test_gemm_bench_wgrad_without_gpu_says_why(capsys):
+    assert gemm_bench.main(["--wgrad"]) == 0
+    assert capsys.readouterr().out == "not measured: no CUDA GPU\n"
+    with pytest.raises(SystemExit):
+        gemm_bench.main(["--wgrad", "--fp8"])  # one table at a time
+    assert "one table at a time" in capsys.readouterr().err
+
+
 def test_gemm_bench_upstream_is_a_table_of_its_own(capsys):
     with pytest.raises(SystemExit):
         gemm_bench.main(["--upstream", "--fp8"])
