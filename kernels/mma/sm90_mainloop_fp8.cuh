@@ -160,6 +160,13 @@ struct MainloopFP8 {
 
     // The producer warpgroup's second warp: each stage's scales, for the same tiles in the same order
     // as the TMA loads, once the consumers of both CTAs have freed the stage.
+    //   M-grouped: lane l copies the row scales of rows l + 32 i of the tile; lane j < kNumBlocksB the
+    //     tile's j-th B scale: its block, block0 + j (192-wide tiles: past N, the last block's again;
+    //     those columns are not stored).
+    //   K-grouped: lane l copies the scales of the tile's rows l + 32 i (the expert's M rows, M a
+    //     multiple of 128) and of its columns l + 32 i (past N: the last column's; those columns are
+    //     not stored), of the pool's k-block k_row / 128 + kb.
+    // 32-bit element offsets: sa and sb have fewer than 2^32 elements (the launchers check).
     template <class Pipe, class Scheduler>
     __device__ __forceinline__ static void produce(const Pipe& pipe, Scheduler& scheduler, const Params& params,
                                                    uint32_t lane) {
@@ -167,10 +174,33 @@ struct MainloopFP8 {
         sched::GroupedTile tile;
         while (scheduler.next(tile)) {
             // Few registers live across the k-blocks: the producer warpgroup runs on 40 of them.
-            if constexpr (kKGrouped)
-                produce_k_grouped(pipe, st, tile, params, lane);
-            else
-                produce_m_grouped(pipe, st, tile, params, lane);
+            const uint32_t row0 = tile.m_block * BLOCK_M + lane;
+            const uint32_t col0 = tile.n_block * Traits::BLOCK_N + lane;  // K-grouped
+            const uint32_t kb0 = kKGrouped ? tile.k_row / kScaleBlock : 0;
+            const uint32_t block = min(tile.n_block * Traits::BLOCK_N / kScaleBlock + lane, params.n_blocks - 1);
+            const float* scale_b =  // M-grouped
+                params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + block) * params.k_blocks;
+#pragma unroll 1
+            for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
+                ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
+                const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
+#pragma unroll
+                for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
+                    const uint32_t row = min(row0 + 32 * i, params.last_row);
+                    ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb0 + kb));
+                }
+                if constexpr (kKGrouped) {
+#pragma unroll
+                    for (uint32_t i = 0; i < Traits::BLOCK_N / 32; ++i) {
+                        const uint32_t col = min(col0 + 32 * i, params.last_col);
+                        ptx::cp_async_4(dst + kScaleBOffset + 32 * i * 4,
+                                        params.scale_b + (col * params.k_blocks + kb0 + kb));
+                    }
+                } else if (lane < kNumBlocksB) {
+                    ptx::cp_async_4(dst + kScaleBOffset, scale_b + kb);
+                }
+                ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
+            }
         }
     }
 
@@ -180,64 +210,6 @@ struct MainloopFP8 {
                                                   uint32_t) {}
 
 private:
-    // M-grouped: lane l copies the row scales of rows l + 32 i of the tile; lane j < kNumBlocksB the
-    // tile's j-th B scale: its block, block0 + j (192-wide tiles: past N, the last block's again; those
-    // columns are not stored).
-    template <class Pipe>
-    __device__ __forceinline__ static void produce_m_grouped(const Pipe& pipe,
-                                                             sm90::PipelineState<Traits::kNumStages>& st,
-                                                             const sched::GroupedTile& tile, const Params& params,
-                                                             uint32_t lane) {
-        const uint32_t row0 = tile.m_block * BLOCK_M + lane;
-        const uint32_t block = min(tile.n_block * Traits::BLOCK_N / kScaleBlock + lane, params.n_blocks - 1);
-        const float* scale_b =
-            params.scale_b + (static_cast<uint64_t>(tile.expert) * params.n_blocks + block) * params.k_blocks;
-#pragma unroll 1
-        for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
-            ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
-            const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
-#pragma unroll
-            for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
-                // 32-bit element offsets: sa has M * ceil(K/128) < 2^32 elements (the launcher checks).
-                const uint32_t row = min(row0 + 32 * i, params.last_row);
-                ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb));
-            }
-            if (lane < kNumBlocksB)
-                ptx::cp_async_4(dst + kScaleBOffset, scale_b + kb);
-            ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
-        }
-    }
-
-    // K-grouped: lane l copies the scales of the tile's rows l + 32 i (the expert's M rows, M a multiple
-    // of 128) and of its columns l + 32 i (past N: the last column's; those columns are not stored), of
-    // the pool's k-block k_row / 128 + kb. 32-bit element offsets: M and N times ceil(P/128) are below
-    // 2^32 (the launcher checks).
-    template <class Pipe>
-    __device__ __forceinline__ static void produce_k_grouped(const Pipe& pipe,
-                                                             sm90::PipelineState<Traits::kNumStages>& st,
-                                                             const sched::GroupedTile& tile, const Params& params,
-                                                             uint32_t lane) {
-        const uint32_t row0 = tile.m_block * BLOCK_M + lane;
-        const uint32_t col0 = tile.n_block * Traits::BLOCK_N + lane;
-        const uint32_t kb0 = tile.k_row / kScaleBlock;
-#pragma unroll 1
-        for (uint32_t kb = 0; kb < tile.num_k_blocks; ++kb, st.advance()) {
-            ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
-            const uint32_t dst = params.smem + st.stage * kStageScaleBytes + lane * 4;
-#pragma unroll
-            for (uint32_t i = 0; i < BLOCK_M / 32; ++i) {
-                const uint32_t row = min(row0 + 32 * i, params.last_row);
-                ptx::cp_async_4(dst + 32 * i * 4, params.scale_a + (row * params.k_blocks + kb0 + kb));
-            }
-#pragma unroll
-            for (uint32_t i = 0; i < Traits::BLOCK_N / 32; ++i) {
-                const uint32_t col = min(col0 + 32 * i, params.last_col);
-                ptx::cp_async_4(dst + kScaleBOffset + 32 * i * 4, params.scale_b + (col * params.k_blocks + kb0 + kb));
-            }
-            ptx::cp_async_mbarrier_arrive_noinc(pipe.full(st.stage));
-        }
-    }
-
     // The serial schedule (file comment). 192-wide tiles: the k-loop is instantiated for each of the
     // two places where the tile's columns cross into the second weight block (kSplit: 8-column groups
     // of the fragment in the first block; n0 % 128 is 0 or 64), chosen once per tile, so the
