@@ -84,6 +84,13 @@ def k_grouped_configs():
     return [(c.name, c.code(), True) for c in K_GROUPED_CONFIGS.values()]
 
 
+def _check_scale_offsets(label: str, scale: torch.Tensor) -> None:
+    """The kernels address scales with 32-bit element offsets."""
+    if scale.numel() >= 2 ** 32:
+        raise ValueError(f"{label}: {scale.numel()} scales, expected fewer than 2**32 (the kernel's 32-bit scale "
+                         f"offsets)")
+
+
 def _blocks(size: int) -> int:
     return -(-size // SCALE_BLOCK)
 
@@ -180,8 +187,7 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
     if tuple(sb.shape) != (num_experts, _blocks(n), _blocks(k)):
         raise ValueError(f"sb: shape {tuple(sb.shape)}, expected ({num_experts}, {_blocks(n)}, {_blocks(k)}) (one "
                          f"scale per {SCALE_BLOCK}x{SCALE_BLOCK} block of b_q {tuple(b_q.shape)}, rounded up)")
-    if sa.numel() >= 2 ** 32:
-        raise ValueError(f"sa: {sa.numel()} scales, expected fewer than 2**32 (the kernel's 32-bit scale offsets)")
+    _check_scale_offsets("sa", sa)
     _check_multiple("K", k, 16, "16-byte rows of e4m3 for TMA")
     _check_multiple("N", n, 8, "16-byte rows of the bf16 output for TMA")
     _check_inputs(a_q, b_q, 3, starts, ends, names=("a_q", "b_q"), dtype=FP8_DTYPE,
@@ -237,9 +243,8 @@ def k_grouped_fp8_gemm_nt_contiguous(at_q: torch.Tensor, sa: torch.Tensor, bt_q:
     _check_multiple("M", m, _BLOCK_M, "output tiles of 128 rows must not cross experts")
     _check_multiple("N", n, 8, "16-byte rows of the bf16 output for TMA")
     _check_multiple("P", rows, 16, "16-byte rows of e4m3 for TMA")
-    for label, scale in (("sa", sa), ("sb", sb)):
-        if scale.numel() >= 2 ** 32:  # the producer's 32-bit element offsets
-            raise ValueError(f"{label}: {scale.numel()} scales, expected fewer than 2**32")
+    _check_scale_offsets("sa", sa)
+    _check_scale_offsets("sb", sb)
     _check_inputs(at_q, bt_q, 2, starts, ends, names=("at_q", "bt_q"), dtype=FP8_DTYPE,
                   extra=(("sa", sa, 2, torch.float32), ("sb", sb, 2, torch.float32)))
     out = _check_out(out, (num_experts, m, n), at_q.device)
