@@ -98,6 +98,15 @@ def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Ten
     return kernels.swiglu_backward_fp8(h, da, row_weight, activation_clamp)
 
 
+def swiglu_backward_fp8_t(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor,
+                          activation_clamp: float | None, kernels, rows: int):
+    """The SwiGLU backward of fp8 weight gradients on the JIT kernel: d_row_weight and dh's 1x128 rows as
+    :func:`swiglu_backward_fp8`, and instead of the bf16 dh and act_w their 128x1 column-quantized
+    transposes with ``rows`` rows (the K-grouped fp8 GEMMs' operands):
+    ``(d_row_weight, dh_data, dh_scale, dht_data, dht_scale, act_wt_data, act_wt_scale)``."""
+    return kernels.swiglu_backward_fp8_t(h, da, row_weight, activation_clamp, rows=rows)
+
+
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor, activation_clamp: float | None,
                     kernels=None):
     """SwiGLU backward of ``w * da`` per pool row, plus ``<da, act>`` and ``w * act``.

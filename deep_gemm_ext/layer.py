@@ -8,7 +8,9 @@ Under the fp8 recipe the layer may make the quantized rows the fp8 GEMMs read (`
 the SwiGLU forward writes act in fp8 only (the L2 GEMM's operand; the backward recomputes act from
 h), the SwiGLU backward also writes dh quantized for the L1 data gradient, and dy is quantized per
 token before its rows are gathered for the L2 data gradient; the GEMMs then read those rows
-(Fp8Rows operands) instead of quantizing pools themselves.
+(Fp8Rows operands) instead of quantizing pools themselves. With fp8 weight gradients (``plan.fp8_cols``)
+the SwiGLU backward writes dh's and act_w's column-quantized transposes instead of their bf16 copies,
+and the weight-gradient GEMMs read them (Fp8Cols operands).
 
 Which GEMMs run (``plan.gemms``: our SM90 kernels, torch._grouped_mm, a loop over experts, DeepGEMM),
 under which precision (``plan.precision``) and token exchange (``plan.tokens``) is the plan's
@@ -27,7 +29,8 @@ import torch
 
 from . import elementwise
 from .plan import Plan
-from .providers import Fp8Rows, Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .providers import Fp8Cols, Fp8Rows, Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .providers.base import fp8_cols_rows
 from .routing import RoutingMeta, pool_rows
 
 _META_TENSORS = 5  # counts, starts, ends, slot_to_row, row_to_slot
@@ -226,7 +229,14 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
         # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the
         # backward arrives, and nothing before it reads them.
         row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
-        if plan.fp8_rows:
+        if plan.fp8_cols:
+            # fp8 weight gradients: dh's rows for the L1 data gradient and the column-quantized transposes of
+            # dh and act_w for dW1 and dW2, in one pass; no bf16 dh or act_w.
+            d_row_weight, *quantized = elementwise.swiglu_backward_fp8_t(
+                h, da, row_weight, activation_clamp, plan.kernels, rows=fp8_cols_rows(meta.num_pool_rows))
+            dh_l1, dh, act_w = Fp8Rows(*quantized[0:2]), Fp8Cols(*quantized[2:4]), Fp8Cols(*quantized[4:6])
+            del quantized
+        elif plan.fp8_rows:
             # The SwiGLU backward also quantizes dh for the L1 data gradient (no separate pass).
             dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,
                                                                                   plan.kernels)

@@ -78,6 +78,9 @@ class Plan:
                       cost least: act by the SwiGLU forward (no bf16 act), dh by the SwiGLU backward (besides
                       the bf16 dh), dy's pool rows quantized per token and gathered (providers that take
                       Fp8Rows, SwiGLU not in epilogues)
+    fp8_cols          with fp8_rows and fp8 weight gradients on a provider that takes Fp8Cols: the SwiGLU backward
+                      also writes dh and act_w quantized 128x1 down their columns and transposed (the weight
+                      gradients' operands) in the same pass, and no bf16 dh or act_w
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
     gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
@@ -100,6 +103,7 @@ class Plan:
     check_ids: bool = True
     fp8_wgrad: str = "fp8"
     fp8_rows: bool = False
+    fp8_cols: bool = False
     gemm_schedule: str = "cooperative"
     ep_overlap: bool = False
 
@@ -155,6 +159,7 @@ class Plan:
                                          ("combine epilogues", self.combine_epilogue),
                                          ("SwiGLU epilogues", self.swiglu_epilogues),
                                          ("act and dh quantized in the SwiGLU kernels, dy per token", self.fp8_rows),
+                                         ("dh and act_w column-quantized in the SwiGLU backward", self.fp8_cols),
                                          ("dispatch overlapped with the L1 GEMM", self.ep_overlap)) if on]
         if fusions:
             parts.append(", ".join(fusions))
@@ -357,6 +362,7 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
     gather_backward = _env.fused_gather_backward()
     swiglu_epilogues = (_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
                         and gemms.supports(precision, SwigluBackward, facts))
+    fp8_rows = bool(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues)
     plan = Plan(
         provider=provider,
         recipe=recipe,
@@ -373,7 +379,8 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
         fp8_wgrad=wgrad,
-        fp8_rows=(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues),
+        fp8_rows=fp8_rows,
+        fp8_cols=bool(fp8_rows and precision.fp8_wgrad and gemms.takes_fp8_cols),
         gemm_schedule=_env.gemm_schedule(),
         ep_overlap=ep_overlap_applies(_env.ep_overlap(), exchange, provider, recipe, dtype, gather_x),
     )

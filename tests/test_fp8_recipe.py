@@ -588,7 +588,7 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     monkeypatch.delenv("DGE_FP8_WGRAD", raising=False)
     sm90 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
     assert (sm90.provider, sm90.fp8_wgrad, sm90.precision.fp8_wgrad) == ("sm90", "bf16", False)
-    assert sm90.combine_epilogue and not sm90.swiglu_epilogues and sm90.fp8_rows
+    assert sm90.combine_epilogue and not sm90.swiglu_epilogues and sm90.fp8_rows and not sm90.fp8_cols
     assert "act and dh quantized in the SwiGLU kernels, dy per token" in sm90.describe()
     assert plan.Plan.decode(sm90.encode()) == sm90
     assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "bf16", "local")).fp8_rows
@@ -602,6 +602,10 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     # fp8 weight gradients on ours: every backward operand is quantized by a gathering kernel.
     assert (fp8_wgrad.fp8_wgrad, fp8_wgrad.gather_x, fp8_wgrad.gather_backward, fp8_wgrad.fp8_rows) == \
         ("fp8", "cp_async", True, True)
+    # ... and dh's and act_w's column quantization comes from the SwiGLU backward (Fp8Cols operands).
+    assert fp8_wgrad.fp8_cols and "dh and act_w column-quantized in the SwiGLU backward" in fp8_wgrad.describe()
+    assert plan.Plan.decode(fp8_wgrad.encode()) == fp8_wgrad
+    assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "torch", "fp8", "local")).fp8_cols
     monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "0")
     assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local")).gather_backward
     monkeypatch.setenv("DGE_FUSED_GATHER", "0")

@@ -109,6 +109,33 @@ def test_fp8_act_and_dh_quantized_in_swiglu_kernels_are_bit_identical(monkeypatc
         assert torch.equal(a, b), f"{env} {name}: fused dh quantization differs from the separate pass (seed=17)"
 
 
+@pytest.mark.parametrize("env", [{}, {"DGE_FUSED_GATHER_BACKWARD": "0"}, {"DGE_FUSED_GATHER": "0"}])
+@pytest.mark.parametrize("routing", ["zipf", "empty_experts"])
+def test_fp8_weight_gradient_columns_from_swiglu_backward_are_bit_identical(monkeypatch, routing, env):
+    """fp8 weight gradients: the SwiGLU backward writes dh's and act_w's transposed column quantization
+    (plan.fp8_cols); with that off (the provider taking no Fp8Cols) the weight-gradient GEMMs quantize the
+    bf16 dh and act_w themselves. Every output bit for bit the same, NaN-poisoned memory before each run;
+    I = 384 (three 128-column chunks: dweight's sum across an odd count)."""
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x, idx, w, l1, l2 = make_inputs(600, 1024, 384, 16, 4, routing=routing, device="cuda", seed=19)
+    dy = torch.randn(600, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(19)).to(torch.bfloat16)
+    p = plan.resolve(x, l1, recipe="fp8")
+    assert p.fp8_cols and "column-quantized in the SwiGLU backward" in p.describe(), p.describe()
+    poison_cached_memory()
+    fused = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
+    monkeypatch.setattr(Sm90Provider, "takes_fp8_cols", False)
+    plan.clear_cache()
+    assert not plan.resolve(x, l1, recipe="fp8").fp8_cols
+    poison_cached_memory()
+    separate = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, (fused[0], *fused[1]), (separate[0], *separate[1])):
+        assert torch.isfinite(a).all(), f"{routing} {env} {name}: non-finite output"
+        assert torch.equal(a, b), f"{routing} {env} {name}: differs from quantizing dh and act_w apart (seed=19)"
+
+
 @pytest.mark.parametrize("wgrad", ["default", "fp8"])
 @pytest.mark.parametrize("num_tokens", [0, 1])
 def test_fp8_layer_tiny_token_counts(monkeypatch, num_tokens, wgrad):

@@ -1,7 +1,8 @@
 """Blockwise-fp8 quantization kernels (jit_kernels.fp8_quant) against the torch quantizers of
 recipes.fp8 on the same CUDA tensors: e4m3 bytes and fp32 scale bits must be identical. The fused
 kernels against the unfused ones: swiglu_backward_fp8 against jit_kernels.swiglu_backward (dh,
-dweight, act_w bit for bit) followed by quantize_rows of its dh; quantize_cols_transposed_fp8
+dweight, act_w bit for bit) followed by quantize_rows of its dh; swiglu_backward_fp8_t against
+swiglu_backward_fp8 followed by quantize_cols_transposed_fp8 of its dh and act_w; quantize_cols_transposed_fp8
 against quantize_cols transposed (plain and gathering the routed pool).
 
 GPU tests (an SM90 GPU: the kernels are built for sm_90a) draw fresh seeded inputs with special
@@ -22,7 +23,8 @@ from conftest import poison_cached_memory, requires_compiler, requires_cuda, req
 
 from deep_gemm_ext import elementwise, jit
 from deep_gemm_ext.jit_kernels import (fp8_quant, quantize_cols_fp8, quantize_cols_transposed_fp8, quantize_rows_fp8,
-                                       swiglu_backward, swiglu_backward_fp8, swiglu_forward, swiglu_forward_fp8)
+                                       swiglu_backward, swiglu_backward_fp8, swiglu_backward_fp8_t, swiglu_forward,
+                                       swiglu_forward_fp8)
 from deep_gemm_ext.recipes import fp8
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
@@ -461,6 +463,79 @@ def test_swiglu_backward_fp8_rejects_bad_inputs():
         swiglu_backward_fp8(h[:, :256], da[:, :128], w, 0)
 
 
+# -- SwiGLU backward with the transposed column-quantized dh and act_w ------------------------------
+
+
+def _assert_swiglu_t_matches(got, h, da, w, clamp, rows, what):
+    """``got`` = swiglu_backward_fp8_t(...) against swiglu_backward_fp8 and quantize_cols_transposed_fp8 of
+    its dh and act_w, every bit."""
+    dh, dweight, act_w, dh_data, dh_scale = swiglu_backward_fp8(h, da, w, clamp)
+    assert len(got) == 7, what
+    assert got[0].dtype == torch.float32 and got[0].shape == dweight.shape, what
+    assert torch.equal(got[0].view(torch.int32), dweight.view(torch.int32)), f"{what}: dweight differs"
+    _assert_bit_equal(got[1:3], (dh_data, dh_scale), what + " (dh rows)")
+    _assert_bit_equal(got[3:5], quantize_cols_transposed_fp8(dh, rows=rows), what + " (dh columns)")
+    _assert_bit_equal(got[5:7], quantize_cols_transposed_fp8(act_w, rows=rows), what + " (act_w columns)")
+
+
+@requires_hopper
+@pytest.mark.parametrize("clamp", [None, 7.0])
+@pytest.mark.parametrize("p,inter,rows", [(0, 128, 0), (0, 128, 32), (1, 128, 16), (300, 384, 304), (1024, 768, 1024),
+                                          (77, 2048, 80), (513, 1536, 656), (40, 640, 48), (256, 256, 272)])
+def test_swiglu_backward_fp8_t_matches_unfused(prebuilt, p, inter, clamp, rows):
+    """dweight and dh's rows as swiglu_backward_fp8 gives them, dh's and act_w's column quantization as
+    quantize_cols_transposed_fp8 of its bf16 dh and act_w with the same padded row count (odd and even
+    chunk counts: dweight's sum in the other kernels' order; ragged and padding row blocks)."""
+    seed = 7500 + p * 3 + inter + (clamp is not None) + rows
+    h, da, w = _swiglu_backward_inputs(p, inter, seed)
+    poison_cached_memory(0xFF)
+    got = swiglu_backward_fp8_t(h, da, w, clamp, rows=rows)
+    what = f"swiglu_backward_fp8_t [{p}, {2 * inter}] rows={rows} clamp={clamp} seed={seed}"
+    _assert_swiglu_t_matches(got, h, da, w, clamp, rows, what)
+    if p > 4:  # the specials reached the column tiles too
+        assert (got[3].view(torch.uint8) == 0x7F).any(), what
+    if fp8.num_blocks(rows) > fp8.num_blocks(p):  # a row block of padding only: zero bytes, the zero tile's scale
+        assert not got[3][:, fp8.num_blocks(p) * 128:].view(torch.uint8).any(), what
+        assert (got[4][:, -1] == 2.0 ** -126).all() and (got[6][:, -1] == 2.0 ** -126).all(), what
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind", SPECIAL_KINDS)
+def test_swiglu_backward_fp8_t_special_column_tiles(prebuilt, kind):
+    """Every 128x1 column tile of dh special: with h = (g, u) = (0, 1) the gate half of dh is w * da / 2,
+    so da's special values down the columns become dh's gate columns (the up half zeros or NaN)."""
+    seed = 300 + SPECIAL_KINDS.index(kind)
+    gen = torch.Generator().manual_seed(seed)
+    p, inter = 272, 256
+    h = torch.cat([torch.zeros(p, inter), torch.ones(p, inter)], 1).bfloat16().to(DEVICE)
+    da_t = torch.stack([torch.cat([_special_tile(kind, 128, gen), _special_tile(kind, 128, gen),
+                                   _special_tile(kind, 16, gen)]) for _ in range(inter)])
+    da = da_t.t().contiguous().bfloat16().to(DEVICE)
+    w = torch.ones(p, device=DEVICE)
+    poison_cached_memory(0xFF)
+    got = swiglu_backward_fp8_t(h, da, w)
+    _assert_swiglu_t_matches(got, h, da, w, None, p, f"swiglu_backward_fp8_t kind={kind} seed={seed}")
+
+
+@requires_cuda
+def test_swiglu_backward_fp8_t_rejects_bad_inputs():
+    h = torch.zeros(40, 2 * 128, dtype=torch.bfloat16, device=DEVICE)
+    da = torch.zeros(40, 128, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(40, device=DEVICE)
+    with pytest.raises(ValueError, match=r"h: 40 rows, expected a multiple of 16 .*pass rows= to pad"):
+        swiglu_backward_fp8_t(h, da, w)
+    for rows in (32, 56, 48.0, True):
+        with pytest.raises(ValueError, match=rf"rows={rows!r}: expected an int multiple of 16, at least the 40 rows"):
+            swiglu_backward_fp8_t(h, da, w, rows=rows)
+    with pytest.raises(ValueError, match=r"h: shape \(40, 384\), I=192; expected I a multiple of 128"):
+        swiglu_backward_fp8_t(torch.zeros(40, 384, dtype=torch.bfloat16, device=DEVICE),
+                              torch.zeros(40, 192, dtype=torch.bfloat16, device=DEVICE), w, rows=48)
+    with pytest.raises(ValueError, match=r"da: shape \(40, 64\), expected \(40, 128\)"):
+        swiglu_backward_fp8_t(h, da[:, :64], w, rows=48)
+    with pytest.raises(ValueError, match="clamp=0: expected None or a positive float"):
+        swiglu_backward_fp8_t(h, da, w, 0, rows=48)
+
+
 # -- quantize_cols_transposed_fp8 ------------------------------------------------------------------
 
 COL_T_SHAPES = [(0, 256), (16, 8), (128, 2048), (144, 136), (1008, 768), (4112, 2048), (304, 7168), (32, 0),
@@ -607,6 +682,9 @@ def test_rejects_host_tensors():
     with pytest.raises(ValueError, match="h: expected a CUDA tensor"):
         swiglu_backward_fp8(torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(4, 128, dtype=torch.bfloat16),
                             torch.zeros(4))
+    with pytest.raises(ValueError, match="h: expected a CUDA tensor"):
+        swiglu_backward_fp8_t(torch.zeros(16, 256, dtype=torch.bfloat16), torch.zeros(16, 128, dtype=torch.bfloat16),
+                              torch.zeros(16))
     with pytest.raises(ValueError, match="x: expected a CUDA tensor, got list"):
         quantize_rows_fp8([[1.0]])
 

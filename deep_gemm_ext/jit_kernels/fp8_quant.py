@@ -21,6 +21,8 @@ elements stored as NaN (0x7f), ragged last tiles covering the remaining elements
   JIT kernel's bf16 act) quantized, optionally with act itself.
 - :func:`swiglu_backward_fp8`: ``jit_kernels.swiglu_backward`` (same bits) that also quantizes its
   bf16 dh 1x128 along 2I (I must be a multiple of 128).
+- :func:`swiglu_backward_fp8_t`: the same dweight and dh rows, and instead of the bf16 dh and act_w
+  their column-quantized transposes (``quantize_cols_transposed_fp8``' bits), for fp8 weight gradients.
 
 Rows need a multiple of 8 elements (16-byte vectors).
 """
@@ -71,6 +73,19 @@ _SWIGLU_BWD_ARGS = (
     KernelArg("num_rows", "unsigned int"), KernelArg("inter", "unsigned int"), KernelArg("clamp", "float"),
 )
 
+_SWIGLU_BWD_T_ARGS = (
+    KernelArg("h", "const __nv_bfloat16*"), KernelArg("da", "const __nv_bfloat16*"),
+    KernelArg("row_weight", "const float*"), KernelArg("dweight", "float*"),
+    KernelArg("dh_data", "unsigned char*"), KernelArg("dh_scale", "float*"),
+    KernelArg("dht_data", "unsigned char*"), KernelArg("dht_scale", "float*"),
+    KernelArg("awt_data", "unsigned char*"), KernelArg("awt_scale", "float*"),
+    KernelArg("num_rows", "unsigned int"), KernelArg("out_rows", "unsigned int"), KernelArg("inter", "unsigned int"),
+    KernelArg("clamp", "float"),
+)
+#: Dynamic shared memory of the transposing SwiGLU backward: three bf16 128 x 128 tiles (two CTAs per SM).
+_SWIGLU_BWD_T_SMEM = 3 * FP8_BLOCK * FP8_BLOCK * 2
+_SWIGLU_BWD_T_CTAS_PER_SM = 2
+
 _TOKEN_ROW_ARGS = (
     KernelArg("x", "const __nv_bfloat16*"), KernelArg("slot_to_row", "const int*"),
     KernelArg("row_to_slot", "const int*"), KernelArg("data", "unsigned char*"), KernelArg("scale", "float*"),
@@ -111,11 +126,16 @@ _SWIGLU_BWD = {clamp: (f"fp8_quant_swiglu_bwd_{'clamp' if clamp else 'plain'}",
                                    f"<{'true' if clamp else 'false'}>({jit.render_types(_SWIGLU_BWD_ARGS)});\n"))
                for clamp in (False, True)}
 
+_SWIGLU_BWD_T = {clamp: (f"fp8_quant_swiglu_bwd_t_{'clamp' if clamp else 'plain'}",
+                         _INCLUDE + ("template __global__ void dge::swiglu_backward_fp8_t_kernel"
+                                     f"<{'true' if clamp else 'false'}>({jit.render_types(_SWIGLU_BWD_T_ARGS)});\n"))
+                 for clamp in (False, True)}
+
 
 @jit.register("fp8_quant")
 def configs():
     return [(name, code, False) for name, code in [*_ROWS.values(), _TOKEN_ROWS, _COLS, *_COLS_T.values(),
-                                                   *_SWIGLU_BWD.values()]]
+                                                   *_SWIGLU_BWD.values(), *_SWIGLU_BWD_T.values()]]
 
 
 def num_blocks(size: int) -> int:
@@ -449,3 +469,57 @@ def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Ten
             config[0], _SWIGLU_BWD_ARGS, h=h, da=da, row_weight=row_weight, dh=dh, dweight=dweight, act_w=act_w,
             dh_data=dh_data, dh_scale=dh_scale, num_rows=rows, inter=inter, clamp=c))
     return dh, dweight, act_w, dh_data, dh_scale
+
+
+def swiglu_backward_fp8_t(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Tensor, clamp: float | None = None,
+                          *, rows: int | None = None):
+    """The SwiGLU backward of the fp8 weight gradients, one pass over ``h [P, 2I]`` and ``da [P, I]``:
+    ``(dweight [P] fp32, dh_data [P, 2I] e4m3, dh_scale [P, 2I/128], dht_data [2I, R] e4m3,
+    dht_scale [2I, ceil(R/128)], awt_data [I, R] e4m3, awt_scale [I, ceil(R/128)])``, bit for bit what
+    :func:`swiglu_backward_fp8` (``dweight``, ``dh_data``, ``dh_scale``) followed by
+    ``quantize_cols_transposed_fp8(dh, rows=R)`` and ``quantize_cols_transposed_fp8(act_w, rows=R)`` give,
+    without writing the bf16 dh and act_w: dh's rows for the L1 data gradient, the transposed
+    column-quantized dh and ``act_w = w * act`` for the K-grouped fp8 weight gradients (dW1 and dW2).
+
+    ``rows``: R, the transposed outputs' row count (default P), a multiple of 16 and at least P; rows past P
+    are zeros. I must be a multiple of 128."""
+    h, da, row_weight = _check_backward_args(h, da, row_weight)
+    c = _check_clamp(clamp)
+    num_rows, inter = h.shape[0], h.shape[1] // 2
+    if num_rows >= 2 ** 31 or h.shape[1] >= 2 ** 31:
+        raise ValueError(f"h: shape {tuple(h.shape)}, expected fewer than 2**31 rows and columns")
+    if inter % FP8_BLOCK:
+        raise ValueError(f"h: shape {tuple(h.shape)}, I={inter}; expected I a multiple of {FP8_BLOCK} (the kernel "
+                         f"walks I in {FP8_BLOCK}-column chunks, and dh's 1x{FP8_BLOCK} tiles must not straddle its "
+                         f"gate and up halves)")
+    if rows is None:
+        rows = num_rows
+        if rows % 16:
+            raise ValueError(f"h: {rows} rows, expected a multiple of 16 (the transposed outputs' rows are 16-byte "
+                             f"vectors of e4m3); pass rows= to pad")
+    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < num_rows or rows % 16 or rows >= 2 ** 31:
+        raise ValueError(f"rows={rows!r}: expected an int multiple of 16, at least the {num_rows} rows of h and below "
+                         f"2**31")
+    dev = h.device
+    dweight = torch.empty(num_rows, dtype=torch.float32, device=dev)
+    dh_data = torch.empty(num_rows, 2 * inter, dtype=FP8_DTYPE, device=dev)
+    dh_scale = torch.empty(num_rows, num_blocks(2 * inter), dtype=torch.float32, device=dev)
+    dht_data = torch.empty(2 * inter, rows, dtype=FP8_DTYPE, device=dev)
+    dht_scale = torch.empty(2 * inter, num_blocks(rows), dtype=torch.float32, device=dev)
+    awt_data = torch.empty(inter, rows, dtype=FP8_DTYPE, device=dev)
+    awt_scale = torch.empty(inter, num_blocks(rows), dtype=torch.float32, device=dev)
+    outputs = (dweight, dh_data, dh_scale, dht_data, dht_scale, awt_data, awt_scale)
+    if inter == 0:
+        dweight.zero_()
+        return outputs
+    if rows == 0:
+        return outputs
+    config = _SWIGLU_BWD_T[clamp is not None]
+    kernel = jit.build(*config)
+    grid = (max(1, min(num_blocks(rows), jit.num_sms(dev) * _SWIGLU_BWD_T_CTAS_PER_SM)), 1, 1)
+    with jit.device_guard(h):
+        kernel.launch_bytes(grid, (_THREADS, 1, 1), *jit.pack_bytes(
+            config[0], _SWIGLU_BWD_T_ARGS, h=h, da=da, row_weight=row_weight, dweight=dweight, dh_data=dh_data,
+            dh_scale=dh_scale, dht_data=dht_data, dht_scale=dht_scale, awt_data=awt_data, awt_scale=awt_scale,
+            num_rows=num_rows, out_rows=rows, inter=inter, clamp=c), smem=_SWIGLU_BWD_T_SMEM)
+    return outputs

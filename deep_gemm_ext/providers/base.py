@@ -9,7 +9,9 @@ padded to the provider's ``row_alignment``. Two GEMM shapes cover the whole laye
 
 and each may carry, where ``supports`` says so:
 - under the fp8 recipe, an operand already quantized 1x128 along K (:class:`Fp8Rows`, where the
-  provider's ``takes_fp8_rows``): the M-grouped GEMM reads it as it is, no quantization pass;
+  provider's ``takes_fp8_rows``): the M-grouped GEMM reads it as it is, no quantization pass; with fp8
+  weight gradients likewise a K-grouped operand quantized down its columns and transposed
+  (:class:`Fp8Cols`, where ``takes_fp8_cols``);
 - a gathered operand (:class:`Gather`): ``a`` (or ``b``) is a token matrix [T, C] and pool row r reads
   its row ``row_to_slot[r] // top_k`` (zeros for padding rows), so no pool is built;
 - an epilogue other than the plain store: :class:`ScatterSlots` (rows into top-k slot order, for the
@@ -44,6 +46,21 @@ class Fp8Rows(NamedTuple):
     scale: torch.Tensor
 
 
+class Fp8Cols(NamedTuple):
+    """A K-grouped GEMM's operand, the pool ``a [P, C]``, already quantized 128x1 down its columns (the
+    contraction over the pool's rows) and transposed, K-major: e4m3 ``data [C, P']`` and fp32
+    ``scale [C, ceil(P'/128)]`` for ``P' = fp8_cols_rows(P)`` rows (``jit_kernels.quantize_cols_transposed_fp8``'
+    layout; rows past P are zeros)."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def fp8_cols_rows(num_pool_rows: int) -> int:
+    """Rows P' of an :class:`Fp8Cols` operand of a pool of ``num_pool_rows`` rows: rounded up to 16
+    (16-byte rows of e4m3, as TMA reads them)."""
+    return -(-num_pool_rows // 16) * 16
+
+
 @dataclass(frozen=True)
 class ScatterSlots:
     """Output row r goes to row ``row_to_slot[r]`` of a [T*K, N] output in top-k slot order, times that
@@ -76,6 +93,8 @@ class GemmProvider:
     gathers: bool = False
     #: Under the fp8 recipe the M-grouped GEMM takes an :class:`Fp8Rows` operand.
     takes_fp8_rows: bool = False
+    #: Under the fp8 recipe with fp8 weight gradients the K-grouped GEMM takes an :class:`Fp8Cols` operand.
+    takes_fp8_cols: bool = False
     #: Under the fp8 recipe every operand the provider quantizes itself (the M-grouped GEMMs' rows,
     #: the fp8 weight gradients' columns) is quantized by a kernel that gathers the token rows, so a
     #: gathered operand costs no more than a pool.

@@ -4,7 +4,8 @@ operands quantized 1x128 by the quantization kernels (a gathered operand is quan
 the pool; an :class:`Fp8Rows` operand, dh from the SwiGLU backward, is read as it is) and the weight
 cache's 128x128-block copies, and weight gradients in bf16 (the plan's default under this provider)
 or, with DGE_FP8_WGRAD=fp8, on the fp8 K-grouped GEMM over operands quantized 128x1 along the
-tokens and transposed by one kernel each (a gathered operand straight from the token rows)."""
+tokens and transposed: dh and act_w by the SwiGLU backward kernel that also quantizes dh's rows
+(:class:`Fp8Cols` operands), x and dy by one kernel each straight from the token rows."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,8 @@ import torch
 
 from .. import elementwise
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
-from .base import Fp8Rows, GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .base import (Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward,
+                   fp8_cols_rows)
 
 try:
     from .. import jit_kernels as _kernels
@@ -57,6 +59,7 @@ class Sm90Provider(GemmProvider):
     recipes = ("bf16", "fp8")
     gathers = True
     takes_fp8_rows = True
+    takes_fp8_cols = True
     fp8_quantizers_gather = True
 
     def __init__(self, schedule: str = "cooperative"):
@@ -123,15 +126,30 @@ class Sm90Provider(GemmProvider):
         if recipe.fp8 and recipe.fp8_wgrad:
             # Operands quantized 128x1 along the tokens, transposed K-major: at [M, P'], bt [N, P'], the
             # pool zero-padded to P' = P rounded up to 16 rows (16-byte rows of e4m3 for TMA).
+            # An Fp8Cols operand (dh and act_w from the SwiGLU backward) is read as it is.
             k = _kernels
-            rows = -(-meta.num_pool_rows // 16) * 16
-            at_q, sa = k.quantize_cols_transposed_fp8(a, gather=None if gather_a is None else gather_a[:2], rows=rows)
-            bt_q, sb = k.quantize_cols_transposed_fp8(b, gather=None if gather_b is None else gather_b[:2], rows=rows)
+            rows = fp8_cols_rows(meta.num_pool_rows)
+            at_q, sa = _fp8_cols("a", a, gather_a, rows)
+            bt_q, sb = _fp8_cols("b", b, gather_b, rows)
             return k.k_grouped_fp8_gemm_nt_contiguous(at_q, sa, bt_q, sb, meta.starts, meta.ends)
         ga, a = _gather(gather_a, a)
         gb, b = _gather(gather_b, b)
         return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb,
                                                           schedule=self.schedule)
+
+
+def _fp8_cols(label: str, operand, gather: Gather | None, rows: int):
+    """``operand`` as the K-grouped fp8 GEMM's transposed column-quantized ``(data, scale)``: an Fp8Cols as
+    it is (checked), else quantized here (a gathered one straight from the token rows)."""
+    if isinstance(operand, Fp8Cols):
+        if gather is not None:
+            raise ValueError(f"{label}: an Fp8Cols operand is the quantized pool itself: it takes no gather")
+        data, scale = operand
+        if data.dim() != 2 or data.shape[1] != rows or data.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{label}: Fp8Cols data {data.dtype} {tuple(data.shape)}, expected float8_e4m3fn "
+                             f"[C, {rows}] (the pool's rows rounded up to 16)")
+        return data, scale
+    return _kernels.quantize_cols_transposed_fp8(operand, gather=None if gather is None else gather[:2], rows=rows)
 
 
 def _unowned_zeroed(out: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
