@@ -2,7 +2,9 @@
 
 CUDA events around each call, L2 flushed before every timed call, median of the repeats; fresh
 random inputs. Also the layer's row gathers with plain and with evict-first pool stores
-(``gather_rows(stream_stores=)``), and the host cost of a warm launch (perf_counter over 2000
+(``gather_rows(stream_stores=)``), the SwiGLU backward of fp8 weight gradients in one pass against
+its two-pass form (``swiglu_backward_fp8_t`` against ``swiglu_backward_fp8`` + ``quantize_cols_transposed_fp8`` of
+dh and act_w, with a bits check), and the host cost of a warm launch (perf_counter over 2000
 launches). Prints markdown tables; ratios are measured in the same run.
 """
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deep_gemm_ext import jit  # noqa: E402
-from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, quantize_cols_fp8, quantize_rows_fp8,  # noqa: E402
-                                       routing_metadata, swiglu, swiglu_backward, swiglu_forward,
+from deep_gemm_ext.jit_kernels import (combine_rows, gather_rows, quantize_cols_fp8,  # noqa: E402
+                                       quantize_cols_transposed_fp8, quantize_rows_fp8, routing_metadata, swiglu,
+                                       swiglu_backward, swiglu_backward_fp8, swiglu_backward_fp8_t, swiglu_forward,
                                        swiglu_forward_fp8)
 from deep_gemm_ext.recipes import fp8  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch, pool_rows  # noqa: E402
@@ -151,6 +154,22 @@ def main() -> None:
                            args.repeats)
         store_rows.append((name, plain_us, cs_us, token_us, plain.numel() * plain.element_size() * gb, same))
 
+    # fp8 weight gradients' SwiGLU backward: one pass (dh's rows, dh^T and act_w^T column-quantized) against
+    # the bf16 dh and act_w written and then quantized apart.
+    rows_t = -(-P // 16) * 16
+
+    def swiglu_t_separate():
+        dh, dweight, act_w, dh_data, dh_scale = swiglu_backward_fp8(h, da, row_w)
+        return (dweight, dh_data, dh_scale, *quantize_cols_transposed_fp8(dh, rows=rows_t),
+                *quantize_cols_transposed_fp8(act_w, rows=rows_t))
+
+    fused_t = swiglu_backward_fp8_t(h, da, row_w, rows=rows_t)
+    swiglu_t_same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                        for a, b in zip(fused_t, swiglu_t_separate()))
+    swiglu_t_us = (time_us(lambda: swiglu_backward_fp8_t(h, da, row_w, rows=rows_t), args.repeats),
+                   time_us(swiglu_t_separate, args.repeats))
+    swiglu_t_gb = (P * 3 * I * 2 + P * 2 * I + rows_t * 3 * I) * gb  # h, da read; dh rows, dh^T, act_w^T written
+
     tiny_kernel = jit.build(*swiglu._FORWARD[False])
     h1 = torch.randn(1, 16, device=dev).bfloat16()
     a1 = torch.empty(1, 8, device=dev, dtype=torch.bfloat16)
@@ -173,6 +192,12 @@ def main() -> None:
         best = min(cs_us, token_us)
         print(f"| {name} | {plain_us:.1f} | {cs_us:.1f} | {token_us:.1f} | {plain_us / best:.2f}x "
               f"| {pool_gb / (best * 1e-6):.0f} | {same} |")
+    print(f"\n| fp8 weight gradients' SwiGLU backward [{P}, {2 * I}] | one pass us | two passes us | two / one "
+          f"| one pass GB/s | same bits |")
+    print("|---|---|---|---|---|---|")
+    print(f"| swiglu_backward_fp8_t vs swiglu_backward_fp8 + 2 quantize_cols_transposed_fp8 | {swiglu_t_us[0]:.1f} "
+          f"| {swiglu_t_us[1]:.1f} | {swiglu_t_us[1] / swiglu_t_us[0]:.2f}x "
+          f"| {swiglu_t_gb / (swiglu_t_us[0] * 1e-6):.0f} | {swiglu_t_same} |")
     print(f"\nrouting bit-identical to compute_routing_torch: {routing_ok}")
     xs = torch.randn(4096, 2048, device=dev).bfloat16()
     fp8_ok = all(torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a.view(torch.int32),

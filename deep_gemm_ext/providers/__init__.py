@@ -17,4 +17,5 @@ PROVIDERS: dict[str, GemmProvider] = {
     "deep_gemm": DeepGemmProvider(),
 }
 
-__all__ = ["PROVIDERS", "Fp8Cols", "Fp8Rows", "GemmProvider", "Gather", "ScatterSlots", "SwigluBackward", "SwigluForward"]
+__all__ = ["PROVIDERS", "Fp8Cols", "Fp8Rows", "GemmProvider", "Gather", "ScatterSlots", "SwigluBackward",
+           "SwigluForward"]

@@ -541,8 +541,8 @@ swiglu_backward_fp8_t_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfl
                     const Fp8Divisor d = fp8_divisor(fp8_scale_of(c % 2 ? m >> 16 : m & 0xffffu));
                     const u32 vec = (c / kBf16PerVec) ^ s;  // rows 16 s .. 16 s + 15: r / 16 == s
                     const unsigned short* src =
-                        tiles16 + (static_cast<u32>(x) * kSwigluTTileVecs + 16 * s * kFp8TileLanes + vec) * kBf16PerVec +
-                        c % kBf16PerVec;
+                        tiles16 + (static_cast<u32>(x) * kSwigluTTileVecs + 16 * s * kFp8TileLanes + vec) *
+                                      kBf16PerVec + c % kBf16PerVec;
                     u32 bytes[4];
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
@@ -558,7 +558,8 @@ swiglu_backward_fp8_t_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfl
                     const u32 out_row = row0 + 16 * s;
                     if (out_row < out_rows) {
                         const i64 out_col = (x == 1 ? inter : 0) + j * kFp8Block + c;
-                        store_v4(out + out_col * out_rows + out_row, make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]));
+                        store_v4(out + out_col * out_rows + out_row,
+                                 make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]));
                     }
                 }
             }
