@@ -6,7 +6,8 @@ fp8 GEMM with DGE_FP8_WGRAD=fp8) against the fp64 reference: y and all four grad
 on the headline layers' sizes (fewer tokens, both weight-gradient modes) and the routing edge
 cases, under the documented variants (pool instead of the gathering quantizer, pool instead of the
 combine epilogue, fp8 weight gradients with and without the backward's gathers). The fused dh
-quantization against the separate pass: every output bit for bit. The errors are printed
+quantization (rows, and with fp8 weight gradients dh's and act_w's columns) against the separate
+passes: every output bit for bit. The errors are printed
 (pytest -s) for the notes.
 """
 import pytest
@@ -93,20 +94,28 @@ def test_fp8_act_and_dh_quantized_in_swiglu_kernels_are_bit_identical(monkeypatc
     twins), NaN-poisoned memory before each run."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    x, idx, w, l1, l2 = make_inputs(600, 1024, 384, 16, 4, routing="empty_experts", device="cuda", seed=17)
-    dy = torch.randn(600, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(17)).to(torch.bfloat16)
-    assert plan.resolve(x, l1, recipe="fp8").fp8_rows, plan.resolve(x, l1, recipe="fp8").describe()
+    _assert_fusion_bit_identical(monkeypatch, "empty_experts", 17, "takes_fp8_rows", "fp8_rows", f"{env}")
+
+
+def _assert_fusion_bit_identical(monkeypatch, routing, seed, provider_attr, plan_field, label):
+    """The layer's y and four gradients with the plan's ``plan_field`` on, then with the SM90 provider's
+    ``provider_attr`` off (so the plan turns it off): bit for bit the same, NaN-poisoned memory before each run
+    (600 tokens, H 1024, I 384, 16 experts, top-4, clamp 7)."""
+    x, idx, w, l1, l2 = make_inputs(600, 1024, 384, 16, 4, routing=routing, device="cuda", seed=seed)
+    dy = torch.randn(600, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(torch.bfloat16)
+    p = plan.resolve(x, l1, recipe="fp8")
+    assert getattr(p, plan_field), p.describe()
     poison_cached_memory()
     fused = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
-    monkeypatch.setattr(Sm90Provider, "takes_fp8_rows", False)
+    monkeypatch.setattr(Sm90Provider, provider_attr, False)
     plan.clear_cache()  # the resolution reads the provider's attributes, which plans are not keyed by
-    assert not plan.resolve(x, l1, recipe="fp8").fp8_rows
+    assert not getattr(plan.resolve(x, l1, recipe="fp8"), plan_field)
     poison_cached_memory()
     separate = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
     torch.cuda.synchronize()
     for name, a, b in zip(NAMES, (fused[0], *fused[1]), (separate[0], *separate[1])):
-        assert torch.isfinite(a).all(), f"{env} {name}: non-finite output"
-        assert torch.equal(a, b), f"{env} {name}: fused dh quantization differs from the separate pass (seed=17)"
+        assert torch.isfinite(a).all(), f"{label} {name}: non-finite output"
+        assert torch.equal(a, b), f"{label} {name}: {plan_field} differs from the separate passes (seed={seed})"
 
 
 @pytest.mark.parametrize("env", [{}, {"DGE_FUSED_GATHER_BACKWARD": "0"}, {"DGE_FUSED_GATHER": "0"}])
@@ -119,21 +128,7 @@ def test_fp8_weight_gradient_columns_from_swiglu_backward_are_bit_identical(monk
     monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    x, idx, w, l1, l2 = make_inputs(600, 1024, 384, 16, 4, routing=routing, device="cuda", seed=19)
-    dy = torch.randn(600, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(19)).to(torch.bfloat16)
-    p = plan.resolve(x, l1, recipe="fp8")
-    assert p.fp8_cols and "column-quantized in the SwiGLU backward" in p.describe(), p.describe()
-    poison_cached_memory()
-    fused = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
-    monkeypatch.setattr(Sm90Provider, "takes_fp8_cols", False)
-    plan.clear_cache()
-    assert not plan.resolve(x, l1, recipe="fp8").fp8_cols
-    poison_cached_memory()
-    separate = run_layer(_fp8_layer, x, idx, w, l1, l2, 7.0, dy)
-    torch.cuda.synchronize()
-    for name, a, b in zip(NAMES, (fused[0], *fused[1]), (separate[0], *separate[1])):
-        assert torch.isfinite(a).all(), f"{routing} {env} {name}: non-finite output"
-        assert torch.equal(a, b), f"{routing} {env} {name}: differs from quantizing dh and act_w apart (seed=19)"
+    _assert_fusion_bit_identical(monkeypatch, routing, 19, "takes_fp8_cols", "fp8_cols", f"{routing} {env}")
 
 
 @pytest.mark.parametrize("wgrad", ["default", "fp8"])

@@ -195,6 +195,33 @@ def _check_gather(gather, device: torch.device):
     return row_to_slot.contiguous(), top_k
 
 
+def _transposed_rows(rows, in_rows: int, label: str, what: str) -> int:
+    """The row count of a transposed e4m3 output (``rows=``, default the input's ``in_rows``): a multiple of 16
+    (16-byte vectors of e4m3 per output row), at least ``in_rows``, below 2**31."""
+    if rows is None:
+        if in_rows % 16:
+            raise ValueError(f"{label}: {in_rows} {what}, expected a multiple of 16 (the transposed output's rows are "
+                             f"16-byte vectors of e4m3); pass rows= to pad")
+        return in_rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < in_rows or rows % 16 or rows >= 2 ** 31:
+        raise ValueError(f"rows={rows!r}: expected an int multiple of 16, at least the {in_rows} {what} of {label} and "
+                         f"below 2**31")
+    return rows
+
+
+def _check_fp8_backward_args(h, da, row_weight):
+    """The fp8 SwiGLU backward kernels' inputs: those of the bf16 one, fewer than 2**31 rows and columns, and
+    I a multiple of 128 (dh's 1x128 tiles do not straddle its gate and up halves)."""
+    h, da, row_weight = _check_backward_args(h, da, row_weight)
+    inter = h.shape[1] // 2
+    if h.shape[0] >= 2 ** 31 or h.shape[1] >= 2 ** 31:
+        raise ValueError(f"h: shape {tuple(h.shape)}, expected fewer than 2**31 rows and columns")
+    if inter % FP8_BLOCK:
+        raise ValueError(f"h: shape {tuple(h.shape)}, I={inter}; expected I a multiple of {FP8_BLOCK} so that dh's "
+                         f"1x{FP8_BLOCK} tiles do not straddle its gate and up halves")
+    return h, da, row_weight
+
+
 # ---------------------------------------------------------------------------------------------
 # Launches
 
@@ -413,15 +440,7 @@ def quantize_cols_transposed_fp8(x: torch.Tensor, *, gather: tuple[torch.Tensor,
         row_to_slot, top_k = _check_gather(gather, x.device)
     in_rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
     cols = x.shape[1]
-    what = "pool rows" if gather is not None else "rows"
-    if rows is None:
-        rows = in_rows
-        if rows % 16:
-            raise ValueError(f"x: {rows} {what}, expected a multiple of 16 (the transposed output's rows are "
-                             f"16-byte vectors of e4m3); pass rows= to pad")
-    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < in_rows or rows % 16 or rows >= 2 ** 31:
-        raise ValueError(f"rows={rows!r}: expected an int multiple of 16, at least the {in_rows} {what} of x and "
-                         f"below 2**31")
+    rows = _transposed_rows(rows, in_rows, "x", "pool rows" if gather is not None else "rows")
     data = _output("out", out, (cols, rows), FP8_DTYPE, x.device, 16)
     scale = _output("scale_out", scale_out, (cols, num_blocks(rows)), torch.float32, x.device, 4)
     if rows == 0 or cols == 0:
@@ -445,14 +464,9 @@ def swiglu_backward_fp8(h: torch.Tensor, da: torch.Tensor, row_weight: torch.Ten
     e4m3, dh_scale [P, 2I/128] fp32)``, bit for bit ``recipes.fp8.quantize_rows(dh)`` (the operand
     of the L1 data gradient), in the same pass: returns ``(dh, dweight, act_w, dh_data, dh_scale)``.
     I must be a multiple of 128 (no tile straddles the gate and up halves of dh)."""
-    h, da, row_weight = _check_backward_args(h, da, row_weight)
+    h, da, row_weight = _check_fp8_backward_args(h, da, row_weight)
     c = _check_clamp(clamp)
     rows, inter = h.shape[0], h.shape[1] // 2
-    if rows >= 2 ** 31 or h.shape[1] >= 2 ** 31:
-        raise ValueError(f"h: shape {tuple(h.shape)}, expected fewer than 2**31 rows and columns")
-    if inter % FP8_BLOCK:
-        raise ValueError(f"h: shape {tuple(h.shape)}, I={inter}; expected I a multiple of {FP8_BLOCK} so that dh's "
-                         f"1x{FP8_BLOCK} tiles do not straddle its gate and up halves")
     dh = torch.empty_like(h)
     dweight = torch.empty(rows, dtype=torch.float32, device=h.device)
     act_w = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device)
@@ -483,23 +497,10 @@ def swiglu_backward_fp8_t(h: torch.Tensor, da: torch.Tensor, row_weight: torch.T
 
     ``rows``: R, the transposed outputs' row count (default P), a multiple of 16 and at least P; rows past P
     are zeros. I must be a multiple of 128."""
-    h, da, row_weight = _check_backward_args(h, da, row_weight)
+    h, da, row_weight = _check_fp8_backward_args(h, da, row_weight)
     c = _check_clamp(clamp)
     num_rows, inter = h.shape[0], h.shape[1] // 2
-    if num_rows >= 2 ** 31 or h.shape[1] >= 2 ** 31:
-        raise ValueError(f"h: shape {tuple(h.shape)}, expected fewer than 2**31 rows and columns")
-    if inter % FP8_BLOCK:
-        raise ValueError(f"h: shape {tuple(h.shape)}, I={inter}; expected I a multiple of {FP8_BLOCK} (the kernel "
-                         f"walks I in {FP8_BLOCK}-column chunks, and dh's 1x{FP8_BLOCK} tiles must not straddle its "
-                         f"gate and up halves)")
-    if rows is None:
-        rows = num_rows
-        if rows % 16:
-            raise ValueError(f"h: {rows} rows, expected a multiple of 16 (the transposed outputs' rows are 16-byte "
-                             f"vectors of e4m3); pass rows= to pad")
-    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < num_rows or rows % 16 or rows >= 2 ** 31:
-        raise ValueError(f"rows={rows!r}: expected an int multiple of 16, at least the {num_rows} rows of h and below "
-                         f"2**31")
+    rows = _transposed_rows(rows, num_rows, "h", "rows")
     dev = h.device
     dweight = torch.empty(num_rows, dtype=torch.float32, device=dev)
     dh_data = torch.empty(num_rows, 2 * inter, dtype=FP8_DTYPE, device=dev)
