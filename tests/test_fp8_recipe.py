@@ -684,3 +684,107 @@ def test_fused_dy_pools_rule():
     from deep_gemm_ext import layer
     assert layer.FUSED_DY_POOLS_MAX_HIDDEN == 2048
     assert [layer.fused_dy_pools(h) for h in (256, 2048, 2056, 4096, 7168)] == [True, True, False, False, False]
+
+
+class _WiringKernels:
+    """The JIT kernel functions the fp8 backward calls, in torch on the CPU (for the wiring test below)."""
+    MAX_TOP_K = 32
+
+    def __init__(self):
+        self.swiglu_rows = []
+
+    @staticmethod
+    def take_or_zero(src, index):
+        return torch.cat([src, src.new_zeros(1)])[index.long()]
+
+    @staticmethod
+    def combine_rows(o, slot_to_row, weights, top_k):
+        from deep_gemm_ext import elementwise
+        return elementwise.combine_rows(o, slot_to_row, weights, top_k, o.dtype)
+
+    @staticmethod
+    def _bf16_backward(h, da, row_weight, clamp):
+        from deep_gemm_ext import elementwise
+        return elementwise.swiglu_backward(h, da, row_weight, clamp)
+
+    def swiglu_backward_fp8(self, h, da, row_weight, clamp):
+        dh, dweight, act_w = self._bf16_backward(h, da, row_weight, clamp)
+        return (dh, dweight, act_w, *fp8.quantize_rows(dh))
+
+    def swiglu_backward_fp8_t(self, h, da, row_weight, clamp, *, rows):
+        self.swiglu_rows.append(rows)
+        dh, dweight, act_w = self._bf16_backward(h, da, row_weight, clamp)
+        return (dweight, *fp8.quantize_rows(dh), *_cols_transposed(dh, rows), *_cols_transposed(act_w, rows))
+
+
+def _cols_transposed(x, rows):
+    """quantize_cols of x zero-padded to ``rows`` rows, data and scales transposed (the Fp8Cols layout)."""
+    data, scale = fp8.quantize_cols(torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]))
+    return data.t().contiguous(), scale.t().contiguous()
+
+
+def test_fp8_weight_gradient_columns_reach_the_k_grouped_gemms(monkeypatch):
+    """With fp8 weight gradients on a provider that takes Fp8Cols (plan.fp8_cols), the layer's backward
+    asks the SwiGLU backward for dh's and act_w's transposed column quantization with the pool's rows
+    rounded up to 16 (providers.base.fp8_cols_rows), hands dW2 act_w and dW1 dh as Fp8Cols and the L1 dgrad
+    dh's rows as Fp8Rows; with fp8_cols off the same GEMMs get the bf16 dh and act_w. A provider that
+    dequantizes what it gets (and quantizes bf16 operands itself) gives the same gradients both ways."""
+    from deep_gemm_ext import layer, plan as plan_module
+    from deep_gemm_ext.providers import Fp8Cols, GemmProvider
+    from deep_gemm_ext.providers.base import fp8_cols_rows
+    from deep_gemm_ext.routing import compute_routing_torch
+
+    T, H, I, E, K = 70, 256, 384, 4, 2
+    x, idx, w, l1, l2 = make_inputs(T, H, I, E, K, seed=23)
+    x, l1, l2 = x.bfloat16(), l1.bfloat16(), l2.bfloat16()
+    meta = compute_routing_torch(idx, E, 128)
+    P = meta.num_pool_rows
+    gen = _gen(23)
+    h = torch.randn(P, 2 * I, generator=gen).bfloat16()
+    dy = torch.randn(T, H, generator=gen).bfloat16()
+    da = torch.randn(P, I, generator=gen).bfloat16()
+    calls = []
+
+    def pool(operand, gather):
+        if isinstance(operand, Fp8Cols):
+            data, scale = operand
+            return fp8.dequantize_cols(data.t(), scale.t())[:P]
+        src = operand if gather is None else torch.cat([operand, operand.new_zeros(1, operand.shape[1])])[
+            torch.where(gather.row_to_slot >= 0, gather.row_to_slot // gather.top_k, operand.shape[0]).long()]
+        return fp8.dequantize_cols(*fp8.quantize_cols(src.float()))
+
+    class Recording(GemmProvider):
+        def m_grouped(self, a, w_, meta_, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):
+            calls.append(("m_grouped", type(a).__name__, layout))
+            return da if layout == "nn" and w_.shape[-1] == I else torch.zeros(P, H, dtype=torch.bfloat16)
+
+        def k_grouped(self, a, b, meta_, *, recipe, gather_a=None, gather_b=None):
+            calls.append(("k_grouped", type(a).__name__, type(b).__name__))
+            if isinstance(a, Fp8Cols):
+                assert a.data.shape[1] == fp8_cols_rows(P)
+            if isinstance(b, Fp8Cols):
+                assert b.data.shape[1] == fp8_cols_rows(P)
+            pa, pb = pool(a, gather_a), pool(b, gather_b)
+            return torch.stack([pa[s:e].t() @ pb[s:e] for s, e in zip(meta.starts.tolist(), meta.ends.tolist())])
+
+    kernels = _WiringKernels()
+    monkeypatch.setitem(plan_module.PROVIDERS, "sm90", Recording())
+    monkeypatch.setattr(plan_module, "_jit_kernels_module", lambda: kernels)
+    base = dict(provider="sm90", recipe="fp8", align=128, compute_dtype="bfloat16", jit_elementwise=True,
+                gather_x="cp_async", gather_backward=True, fp8_wgrad="fp8", fp8_rows=True)
+    saved = [x, w, l1, l2, h, *meta.tensors()]
+    grads = {}
+    for cols in (True, False):
+        calls.clear()
+        p = plan_module.Plan(**base, fp8_cols=cols)
+        grads[cols] = layer.backward(p, dy, saved, None)
+        k_calls = [c for c in calls if c[0] == "k_grouped"]
+        if cols:
+            rows = fp8_cols_rows(P)
+            assert kernels.swiglu_rows == [rows] and rows % 16 == 0 and P <= rows < P + 16, (P, kernels.swiglu_rows)
+            assert k_calls == [("k_grouped", "Tensor", "Fp8Cols"), ("k_grouped", "Fp8Cols", "Tensor")], calls
+        else:
+            assert k_calls == [("k_grouped", "Tensor", "Tensor"), ("k_grouped", "Tensor", "Tensor")], calls
+        assert ("m_grouped", "Fp8Rows", "nn") in calls, calls
+    for name, a, b in zip(("dx", "d topk_weights", "dl1", "dl2"), grads[True], grads[False]):
+        assert torch.equal(a, b), f"{name}: the Fp8Cols operands differ from quantizing dh and act_w in the GEMM"
