@@ -460,7 +460,7 @@ swiglu_backward_fp8_t_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfl
             // Phase 1: the chunk's values, dh's row tiles, the bf16 tiles and this thread's column maxima.
             const u32 col = j * kFp8Block + t * kBf16PerVec;  // I-column of this lane's vector
             uint4 max_g = make_uint4(0, 0, 0, 0), max_u = max_g, max_a = max_g;
-            // Unrolled: the rows' weights and partials stay in registers.
+            // Unrolled: the rows' partials stay in registers.
 #pragma unroll
             for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
                 const u32 r_local = row_in_step + 16 * i;
