@@ -2,6 +2,10 @@
 a summary of the skips by reason at the end of a run."""
 from __future__ import annotations
 
+import fcntl
+import gc
+import os
+import tempfile
 from collections import Counter
 
 import pytest
@@ -23,6 +27,25 @@ def _fresh_plans():
     plan.clear_cache()
     yield
     plan.clear_cache()
+
+
+@pytest.fixture
+def one_large_test_at_a_time():
+    """For a test whose fp64 reference takes tens of GB of GPU memory (the headline layers' sizes): such
+    tests run one at a time across the processes of a pytest-xdist run (a lock file), and each hands its
+    cached blocks back to the driver before the next starts. Without it, workers that reach several at once
+    run out of GPU memory."""
+    path = os.path.join(tempfile.gettempdir(), f"deep_gemm_ext_large_gpu_tests_{os.getuid()}.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            if HAS_CUDA:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _modules_load_eagerly() -> bool:

@@ -63,7 +63,7 @@ def check_fp8_layer(T, H, I, E, K, routing, clamp, seed, label):
 
 @pytest.mark.parametrize("wgrad", ["default", "fp8"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fp8_layer_headline_shapes(monkeypatch, shape, wgrad):
+def test_fp8_layer_headline_shapes(monkeypatch, one_large_test_at_a_time, shape, wgrad):
     if wgrad == "fp8":
         monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     T, H, I, E, K = SHAPES[shape]

@@ -61,7 +61,7 @@ SHAPES = {  # real hidden / intermediate / experts, fewer tokens to keep the fp6
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_headline_shapes(shape):
+def test_headline_shapes(one_large_test_at_a_time, shape):
     T, H, I, E, K = SHAPES[shape]
     for name, e_ours, e_base in check_against_reference(T, H, I, E, K, "uniform", None, seed=11):
         print(f"{shape:16s} {name:8s} ours {e_ours:.3e}  grouped_mm {e_base:.3e}")

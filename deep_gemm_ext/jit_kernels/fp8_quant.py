@@ -82,9 +82,10 @@ _SWIGLU_BWD_T_ARGS = (
     KernelArg("num_rows", "unsigned int"), KernelArg("out_rows", "unsigned int"), KernelArg("inter", "unsigned int"),
     KernelArg("clamp", "float"),
 )
-#: Dynamic shared memory of the transposing SwiGLU backward: three bf16 128 x 128 tiles (two CTAs per SM).
-_SWIGLU_BWD_T_SMEM = 3 * FP8_BLOCK * FP8_BLOCK * 2
-_SWIGLU_BWD_T_CTAS_PER_SM = 2
+#: The transposing SwiGLU backward: 512 threads, one CTA per SM; its dynamic shared memory holds three bf16
+#: 128 x 128 result tiles and the three staged input tiles (kSwigluTSmemBytes).
+_SWIGLU_BWD_T_THREADS = 512
+_SWIGLU_BWD_T_SMEM = 2 * 3 * FP8_BLOCK * FP8_BLOCK * 2
 
 _TOKEN_ROW_ARGS = (
     KernelArg("x", "const __nv_bfloat16*"), KernelArg("slot_to_row", "const int*"),
@@ -517,9 +518,9 @@ def swiglu_backward_fp8_t(h: torch.Tensor, da: torch.Tensor, row_weight: torch.T
         return outputs
     config = _SWIGLU_BWD_T[clamp is not None]
     kernel = jit.build(*config)
-    grid = (max(1, min(num_blocks(rows), jit.num_sms(dev) * _SWIGLU_BWD_T_CTAS_PER_SM)), 1, 1)
+    grid = (max(1, min(num_blocks(rows), jit.num_sms(dev))), 1, 1)
     with jit.device_guard(h):
-        kernel.launch_bytes(grid, (_THREADS, 1, 1), *jit.pack_bytes(
+        kernel.launch_bytes(grid, (_SWIGLU_BWD_T_THREADS, 1, 1), *jit.pack_bytes(
             config[0], _SWIGLU_BWD_T_ARGS, h=h, da=da, row_weight=row_weight, dweight=dweight, dh_data=dh_data,
             dh_scale=dh_scale, dht_data=dht_data, dht_scale=dht_scale, awt_data=awt_data, awt_scale=awt_scale,
             num_rows=num_rows, out_rows=rows, inter=inter, clamp=c), smem=_SWIGLU_BWD_T_SMEM)

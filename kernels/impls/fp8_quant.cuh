@@ -389,13 +389,20 @@ swiglu_backward_fp8_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloa
 // quantize_cols_t_kernel on its dh and act_w (out_rows >= rows, the rows past `rows` zeros).
 //
 // A CTA takes one 128-row block of the pool and walks its I columns in 128-wide chunks (I is a multiple
-// of 128). Phase 1 of a chunk: half warp (w, h) holds rows 2 w + h + 16 i (i < 8), lane t of the half the
-// 8 columns 8 t .. 8 t + 7 of the chunk; for each row it computes the chunk's dg, du and w * act (the
-// element function of every SwiGLU backward kernel), quantizes the row's gate and up tiles of dh (the
-// half warp's 16 vectors are one 1x128 tile), keeps the bf16 values in shared memory and folds them into
-// its column maxima. Phase 2: the column maxima reduced over the 16 half warps, then each thread
+// of 128). Phase 1 of a chunk: half warp (w, h) of the 16 warps holds rows 2 w + h + 32 i (i < 4), lane t
+// of the half the 8 columns 8 t .. 8 t + 7 of the chunk; for each row it computes the chunk's dg, du and
+// w * act (the element function of every SwiGLU backward kernel), quantizes the row's gate and up tiles of
+// dh (the half warp's 16 vectors are one 1x128 tile), keeps the bf16 values in shared memory and folds
+// them into its column maxima. Phase 2: the column maxima reduced over the 16 half warps, then each thread
 // quantizes 16 rows of one column of one of the three tiles into a 16-byte segment of the transposed
 // output (8 lanes per column: 128 contiguous bytes).
+//
+// The inputs are staged: each thread copies its own h and da vectors of the next chunk (or of the next
+// row block's first) into shared memory with cp.async as soon as it has read the current chunk's from the
+// same slots, one commit group per row. A thread reads only the slots it fills, so the staging needs no
+// barrier, and the copies of a chunk are in flight under the rest of the previous chunk's work. (Loaded
+// into registers a row at a time, the loads of a row waited on the previous row's work: 3 loads in flight
+// per thread, 1.7 TB/s.)
 //
 // dweight's sum keeps the one-warp-per-row kernels' order: there lane l of a row's warp adds the vectors
 // l, l + 32, ... in turn, then the warp's butterfly. Here vector 16 j + t (chunk j) is added by lane t of
@@ -403,15 +410,19 @@ swiglu_backward_fp8_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloa
 // 16 (j % 2) + t; the butterfly's first step adds lanes l and l ^ 16, i.e. this thread's two partials, and
 // its other steps stay inside the half warp.
 //
-// The bf16 tiles: 3 x 128 rows x 16 vectors (96 KiB of dynamic shared memory); vector v of row r sits at
-// v ^ (r / 16), so that phase 2's 8 lanes of a column, 16 rows apart each, read 8 different banks.
-constexpr int kSwigluTRowsPerThread = kFp8Block / (2 * kFp8QuantWarps);  // 8
+// Dynamic shared memory (192 KiB, one CTA per SM): the three bf16 128 x 128 result tiles, vector v of row
+// r at v ^ (r / 16), so that phase 2's 8 lanes of a column, 16 rows apart each, read 8 different banks;
+// then the staged inputs (h's gate and up vectors and da's), by thread and row.
+constexpr int kSwigluTThreads = 512;
+constexpr int kSwigluTWarps = kSwigluTThreads / kWarpSize;
+constexpr int kSwigluTRowsPerThread = kFp8Block / (2 * kSwigluTWarps);  // 4
+constexpr u32 kSwigluTRowStep = 2 * kSwigluTWarps;                      // rows between a thread's rows
 constexpr u32 kSwigluTTileVecs = kFp8Block * kFp8TileLanes;             // uint4 per 128 x 128 bf16 tile
-constexpr u32 kSwigluTSmemBytes = 3 * kSwigluTTileVecs * 16;
+constexpr u32 kSwigluTSmemBytes = 2 * 3 * kSwigluTTileVecs * 16;
 // Phase 2's items: 3 tiles x 128 columns x 8 segments of 16 rows.
 constexpr int kSwigluTSegments = kFp8Block / 16;
-constexpr int kSwigluTItemsPerThread = kFp8Block * kSwigluTSegments / kFp8QuantThreads;  // per tile: 4
-static_assert(kSwigluTRowsPerThread == 8 && kSwigluTItemsPerThread == 4, "256 threads on 128 x 128 tiles");
+constexpr int kSwigluTItemsPerThread = kFp8Block * kSwigluTSegments / kSwigluTThreads;  // per tile: 2
+static_assert(kSwigluTRowsPerThread == 4 && kSwigluTItemsPerThread == 2, "512 threads on 128 x 128 tiles");
 
 __device__ __forceinline__ uint4 finite_abs_max_v4(const uint4& m, const uint4& v) {
     return make_uint4(__vmaxu2(m.x, finite_abs_bf16x2(v.x)), __vmaxu2(m.y, finite_abs_bf16x2(v.y)),
@@ -427,19 +438,33 @@ __device__ __forceinline__ uint4 shfl_xor_v4(const uint4& v, int offset) {
                       __shfl_xor_sync(kFullMask, v.z, offset), __shfl_xor_sync(kFullMask, v.w, offset));
 }
 
+// 16 bytes global -> shared, L2 only (cp.async.cg); the copies this thread issued, in commit groups.
+__device__ __forceinline__ void cp_async_cg_16(const void* smem_dst, const void* src) {
+    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most kPending of this thread's newest commit groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // Scale arguments: dh_scale [rows, 2I / 128]; dht_scale [2I, ceil(out_rows / 128)], awt_scale
 // [I, ceil(out_rows / 128)]. Data: dh_data [rows, 2I]; dht_data [2I, out_rows], awt_data [I, out_rows].
+// The grid has at most ceil(out_rows / 128) CTAs.
 template <bool kClamp>
-__global__ void __launch_bounds__(kFp8QuantThreads, 2)
+__global__ void __launch_bounds__(kSwigluTThreads, 1)
 swiglu_backward_fp8_t_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ da,
                              const float* __restrict__ row_weight, float* __restrict__ dweight,
                              unsigned char* __restrict__ dh_data, float* __restrict__ dh_scale,
                              unsigned char* __restrict__ dht_data, float* __restrict__ dht_scale,
                              unsigned char* __restrict__ awt_data, float* __restrict__ awt_scale, u32 rows,
                              u32 out_rows, u32 cols_half, float clamp) {
-    extern __shared__ __align__(16) uint4 smem_tiles[];  // [3][128][16], vector v of row r at v ^ (r / 16)
-    __shared__ uint4 smem_amax[3][kFp8QuantWarps][kFp8TileLanes];
+    extern __shared__ __align__(16) uint4 smem_tiles[];  // [3][128][16] results, then [3][128][16] staged inputs
+    __shared__ uint4 smem_amax[3][kSwigluTWarps][kFp8TileLanes];
     __shared__ u32 smem_col_amax[3][kFp8Block / 2];      // bf16 bits of two columns' maxima per word
+    uint4* const smem_in = smem_tiles + 3 * kSwigluTTileVecs;
     grid_dependency_wait();
     const u32 inter = cols_half;
     const u32 chunks = inter / kFp8Block;
@@ -447,137 +472,188 @@ swiglu_backward_fp8_t_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfl
     const u32 row_blocks = (out_rows + kFp8Block - 1) / kFp8Block;
     const int lane = lane_id();
     const u32 t = static_cast<u32>(lane) % kFp8TileLanes;
-    const u32 row_in_step = 2 * static_cast<u32>(warp_id()) + static_cast<u32>(lane) / kFp8TileLanes;  // 0 .. 15
-    for (u32 rb = blockIdx.x; rb < row_blocks; rb += gridDim.x) {
+    const u32 row_in_step = 2 * static_cast<u32>(warp_id()) + static_cast<u32>(lane) / kFp8TileLanes;  // 0 .. 31
+    // This thread's staging slot of input x (0: h's gate half, 1: its up half, 2: da) for its row i.
+    auto in_slot = [&](u32 x, int i) {
+        return smem_in + (x * kFp8Block + row_in_step + kSwigluTRowStep * i) * kFp8TileLanes + t;
+    };
+    // Row i's copies for chunk j of row block rb, as one commit group (empty past `rows` or with no item).
+    auto stage_row = [&](bool have, u32 rb, u32 j, int i) {
+        const i64 r = static_cast<i64>(rb) * kFp8Block + row_in_step + kSwigluTRowStep * i;
+        if (have && r < rows) {
+            const u32 col = j * kFp8Block + t * kBf16PerVec;
+            const __nv_bfloat16* h_row = h + r * (2 * static_cast<i64>(inter));
+            cp_async_cg_16(in_slot(0, i), h_row + col);
+            cp_async_cg_16(in_slot(1, i), h_row + inter + col);
+            cp_async_cg_16(in_slot(2, i), da + r * inter + col);
+        }
+        cp_async_commit_group();
+    };
+    auto load_weights = [&](u32 rb, float (&w)[kSwigluTRowsPerThread]) {
+#pragma unroll
+        for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
+            const i64 r = static_cast<i64>(rb) * kFp8Block + row_in_step + kSwigluTRowStep * i;
+            w[i] = r < rows ? __ldg(row_weight + r) : 0.0f;
+        }
+    };
+
+    u32 rb = blockIdx.x, j = 0;
+    if (rb >= row_blocks)
+        return;
+#pragma unroll
+    for (int i = 0; i < kSwigluTRowsPerThread; ++i)
+        stage_row(true, rb, 0, i);
+    float w[kSwigluTRowsPerThread], w_next[kSwigluTRowsPerThread];
+    float partial[kSwigluTRowsPerThread], partial_other[kSwigluTRowsPerThread];
+    load_weights(rb, w);
+    for (;;) {
         const u32 row0 = rb * kFp8Block;
-        float partial[kSwigluTRowsPerThread], partial_other[kSwigluTRowsPerThread];
+        if (j == 0) {
+#pragma unroll
+            for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
+                partial[i] = 0.0f;
+                partial_other[i] = 0.0f;
+            }
+        }
+        // The work item after this one: the next chunk, or the next row block's first.
+        u32 next_rb = rb, next_j = j + 1;
+        if (next_j == chunks) {
+            next_j = 0;
+            next_rb += gridDim.x;
+        }
+        const bool have_next = next_rb < row_blocks;
+        if (have_next && next_j == 0)
+            load_weights(next_rb, w_next);
+        // Phase 1: the chunk's values, dh's row tiles, the bf16 tiles and this thread's column maxima.
+        const u32 col = j * kFp8Block + t * kBf16PerVec;  // I-column of this lane's vector
+        uint4 max_g = make_uint4(0, 0, 0, 0), max_u = max_g, max_a = max_g;
 #pragma unroll
         for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
-            partial[i] = 0.0f;
-            partial_other[i] = 0.0f;
+            const u32 r_local = row_in_step + kSwigluTRowStep * i;
+            const i64 r = row0 + r_local;
+            const bool ok = r < rows;
+            // One group per row, oldest first: row i's copies have landed once at most the newer
+            // kSwigluTRowsPerThread - 1 groups are in flight.
+            cp_async_wait_group<kSwigluTRowsPerThread - 1>();
+            uint4 dg_bits = make_uint4(0, 0, 0, 0), du_bits = dg_bits, aw_bits = dg_bits;
+            if (ok) {
+                float g[kBf16PerVec], u[kBf16PerVec], d[kBf16PerVec];
+                float dg[kBf16PerVec], du[kBf16PerVec], aw[kBf16PerVec];
+                unpack_bf16x8(*in_slot(0, i), g);
+                unpack_bf16x8(*in_slot(1, i), u);
+                unpack_bf16x8(*in_slot(2, i), d);
+#pragma unroll
+                for (int e = 0; e < kBf16PerVec; ++e)
+                    swiglu_backward_element<kClamp>(g[e], u[e], d[e], w[i], clamp, partial[i], dg[e], du[e], aw[e]);
+                dg_bits = pack_bf16x8(dg);
+                du_bits = pack_bf16x8(du);
+                aw_bits = pack_bf16x8(aw);
+            }
+            // The slots of row i are read: they take the next item's row i.
+            stage_row(have_next, next_rb, next_j, i);
+            unsigned char* data_row = dh_data + r * (2 * static_cast<i64>(inter));
+            float* scale_row = dh_scale + r * dh_tiles;
+            quantize_half_warp_tile(dg_bits, ok, data_row + col, scale_row + j);
+            quantize_half_warp_tile(du_bits, ok, data_row + inter + col, scale_row + chunks + j);
+            max_g = finite_abs_max_v4(max_g, dg_bits);
+            max_u = finite_abs_max_v4(max_u, du_bits);
+            max_a = finite_abs_max_v4(max_a, aw_bits);
+            const u32 slot = r_local * kFp8TileLanes + (t ^ (r_local / 16));
+            smem_tiles[slot] = dg_bits;
+            smem_tiles[kSwigluTTileVecs + slot] = du_bits;
+            smem_tiles[2 * kSwigluTTileVecs + slot] = aw_bits;
         }
-        for (u32 j = 0; j < chunks; ++j) {
-            // Phase 1: the chunk's values, dh's row tiles, the bf16 tiles and this thread's column maxima.
-            const u32 col = j * kFp8Block + t * kBf16PerVec;  // I-column of this lane's vector
-            uint4 max_g = make_uint4(0, 0, 0, 0), max_u = max_g, max_a = max_g;
-            // Unrolled: the rows' partials stay in registers.
+        // The next chunk adds into the other parity's partials.
 #pragma unroll
-            for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
-                const u32 r_local = row_in_step + 16 * i;
-                const i64 r = row0 + r_local;
-                const bool ok = r < rows;
-                uint4 dg_bits = make_uint4(0, 0, 0, 0), du_bits = dg_bits, aw_bits = dg_bits;
-                if (ok) {
-                    // The row's weight read per chunk (an L1 hit after the first) rather than held across
-                    // the chunks: the unrolled rows' registers stay within the two-CTA budget.
-                    const float w = __ldg(row_weight + r);
-                    float g[kBf16PerVec], u[kBf16PerVec], d[kBf16PerVec];
-                    float dg[kBf16PerVec], du[kBf16PerVec], aw[kBf16PerVec];
-                    const __nv_bfloat16* h_row = h + r * (2 * static_cast<i64>(inter));
-                    unpack_bf16x8(load_stream_v4(h_row + col), g);
-                    unpack_bf16x8(load_stream_v4(h_row + inter + col), u);
-                    unpack_bf16x8(load_stream_v4(da + r * inter + col), d);
+        for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
+            const float keep = partial[i];
+            partial[i] = partial_other[i];
+            partial_other[i] = keep;
+        }
+        max_g = max_v4(max_g, shfl_xor_v4(max_g, kFp8TileLanes));
+        max_u = max_v4(max_u, shfl_xor_v4(max_u, kFp8TileLanes));
+        max_a = max_v4(max_a, shfl_xor_v4(max_a, kFp8TileLanes));
+        if (lane < kFp8TileLanes) {
+            smem_amax[0][warp_id()][t] = max_g;
+            smem_amax[1][warp_id()][t] = max_u;
+            smem_amax[2][warp_id()][t] = max_a;
+        }
+        __syncthreads();
+        // The column maxima: thread k < 192 reduces the word of columns 2 (k % 64), +1 of tile k / 64 and
+        // stores their scales (tile 0: dh's gate columns, 1: its up columns, 2: act_w's).
+        if (threadIdx.x < 3 * kFp8Block / 2) {
+            const u32 x = threadIdx.x / (kFp8Block / 2), pair = threadIdx.x % (kFp8Block / 2);
+            const u32* words = reinterpret_cast<const u32*>(&smem_amax[x][0][0]);
+            u32 m = 0;
 #pragma unroll
-                    for (int e = 0; e < kBf16PerVec; ++e)
-                        swiglu_backward_element<kClamp>(g[e], u[e], d[e], w, clamp, partial[i], dg[e], du[e], aw[e]);
-                    dg_bits = pack_bf16x8(dg);
-                    du_bits = pack_bf16x8(du);
-                    aw_bits = pack_bf16x8(aw);
-                }
-                unsigned char* data_row = dh_data + r * (2 * static_cast<i64>(inter));
-                float* scale_row = dh_scale + r * dh_tiles;
-                quantize_half_warp_tile(dg_bits, ok, data_row + col, scale_row + j);
-                quantize_half_warp_tile(du_bits, ok, data_row + inter + col, scale_row + chunks + j);
-                max_g = finite_abs_max_v4(max_g, dg_bits);
-                max_u = finite_abs_max_v4(max_u, du_bits);
-                max_a = finite_abs_max_v4(max_a, aw_bits);
-                const u32 slot = r_local * kFp8TileLanes + (t ^ static_cast<u32>(i));
-                smem_tiles[slot] = dg_bits;
-                smem_tiles[kSwigluTTileVecs + slot] = du_bits;
-                smem_tiles[2 * kSwigluTTileVecs + slot] = aw_bits;
-            }
-            // The next chunk adds into the other parity's partials.
-#pragma unroll
-            for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
-                const float keep = partial[i];
-                partial[i] = partial_other[i];
-                partial_other[i] = keep;
-            }
-            max_g = max_v4(max_g, shfl_xor_v4(max_g, kFp8TileLanes));
-            max_u = max_v4(max_u, shfl_xor_v4(max_u, kFp8TileLanes));
-            max_a = max_v4(max_a, shfl_xor_v4(max_a, kFp8TileLanes));
-            if (lane < kFp8TileLanes) {
-                smem_amax[0][warp_id()][t] = max_g;
-                smem_amax[1][warp_id()][t] = max_u;
-                smem_amax[2][warp_id()][t] = max_a;
-            }
-            __syncthreads();
-            // The column maxima: thread k < 192 reduces the word of columns 2 (k % 64), +1 of tile k / 64 and
-            // stores their scales (tile 0: dh's gate columns, 1: its up columns, 2: act_w's).
-            if (threadIdx.x < 3 * kFp8Block / 2) {
-                const u32 x = threadIdx.x / (kFp8Block / 2), pair = threadIdx.x % (kFp8Block / 2);
-                const u32* words = reinterpret_cast<const u32*>(&smem_amax[x][0][0]);
-                u32 m = 0;
-#pragma unroll
-                for (int wi = 0; wi < kFp8QuantWarps; ++wi)
-                    m = __vmaxu2(m, words[wi * kFp8TileLanes * 4 + pair]);
-                smem_col_amax[x][pair] = m;
-                const i64 out_col = (x == 1 ? inter : 0) + j * kFp8Block + 2 * pair;
-                float* scale = x == 2 ? awt_scale : dht_scale;
-                scale[out_col * row_blocks + rb] = fp8_scale_of(m & 0xffffu);
-                scale[(out_col + 1) * row_blocks + rb] = fp8_scale_of(m >> 16);
-            }
-            __syncthreads();
-            // Phase 2: item (tile x, column c, segment s) quantizes rows 16 s .. 16 s + 15 of column c.
-            const unsigned short* tiles16 = reinterpret_cast<const unsigned short*>(smem_tiles);
+            for (int wi = 0; wi < kSwigluTWarps; ++wi)
+                m = __vmaxu2(m, words[wi * kFp8TileLanes * 4 + pair]);
+            smem_col_amax[x][pair] = m;
+            const i64 out_col = (x == 1 ? inter : 0) + j * kFp8Block + 2 * pair;
+            float* scale = x == 2 ? awt_scale : dht_scale;
+            scale[out_col * row_blocks + rb] = fp8_scale_of(m & 0xffffu);
+            scale[(out_col + 1) * row_blocks + rb] = fp8_scale_of(m >> 16);
+        }
+        __syncthreads();
+        // Phase 2: item (tile x, column c, segment s) quantizes rows 16 s .. 16 s + 15 of column c.
+        const unsigned short* tiles16 = reinterpret_cast<const unsigned short*>(smem_tiles);
 #pragma unroll 1
-            for (int x = 0; x < 3; ++x) {
-                unsigned char* out = x == 2 ? awt_data : dht_data;
-#pragma unroll 2
-                for (int q = 0; q < kSwigluTItemsPerThread; ++q) {
-                    const u32 item = q * kFp8QuantThreads + threadIdx.x;
-                    const u32 s = item % kSwigluTSegments, c = item / kSwigluTSegments;
-                    const u32 m = smem_col_amax[x][c / 2];
-                    const Fp8Divisor d = fp8_divisor(fp8_scale_of(c % 2 ? m >> 16 : m & 0xffffu));
-                    const u32 vec = (c / kBf16PerVec) ^ s;  // rows 16 s .. 16 s + 15: r / 16 == s
-                    const unsigned short* src =
-                        tiles16 + (static_cast<u32>(x) * kSwigluTTileVecs + 16 * s * kFp8TileLanes + vec) *
-                                      kBf16PerVec + c % kBf16PerVec;
-                    u32 bytes[4];
+        for (int x = 0; x < 3; ++x) {
+            unsigned char* out = x == 2 ? awt_data : dht_data;
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        u32 pair[2];
+            for (int q = 0; q < kSwigluTItemsPerThread; ++q) {
+                const u32 item = q * kSwigluTThreads + threadIdx.x;
+                const u32 s = item % kSwigluTSegments, c = item / kSwigluTSegments;
+                const u32 m = smem_col_amax[x][c / 2];
+                const Fp8Divisor d = fp8_divisor(fp8_scale_of(c % 2 ? m >> 16 : m & 0xffffu));
+                const u32 vec = (c / kBf16PerVec) ^ s;  // rows 16 s .. 16 s + 15: r / 16 == s
+                const unsigned short* src =
+                    tiles16 + (static_cast<u32>(x) * kSwigluTTileVecs + 16 * s * kFp8TileLanes + vec) *
+                                  kBf16PerVec + c % kBf16PerVec;
+                u32 bytes[4];
 #pragma unroll
-                        for (int p = 0; p < 2; ++p) {
-                            const u32 lo = src[(4 * k + 2 * p) * kFp8TileLanes * kBf16PerVec];
-                            const u32 hi = src[(4 * k + 2 * p + 1) * kFp8TileLanes * kBf16PerVec];
-                            pair[p] = quantize_bf16x2(lo | (hi << 16), d, d);
-                        }
-                        bytes[k] = canonical_nan_bytes(pair[0] | (pair[1] << 16));
+                for (int k = 0; k < 4; ++k) {
+                    u32 pair[2];
+#pragma unroll
+                    for (int p = 0; p < 2; ++p) {
+                        const u32 lo = src[(4 * k + 2 * p) * kFp8TileLanes * kBf16PerVec];
+                        const u32 hi = src[(4 * k + 2 * p + 1) * kFp8TileLanes * kBf16PerVec];
+                        pair[p] = quantize_bf16x2(lo | (hi << 16), d, d);
                     }
-                    const u32 out_row = row0 + 16 * s;
-                    if (out_row < out_rows) {
-                        const i64 out_col = (x == 1 ? inter : 0) + j * kFp8Block + c;
-                        store_v4(out + out_col * out_rows + out_row,
-                                 make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]));
-                    }
+                    bytes[k] = canonical_nan_bytes(pair[0] | (pair[1] << 16));
+                }
+                const u32 out_row = row0 + 16 * s;
+                if (out_row < out_rows) {
+                    const i64 out_col = (x == 1 ? inter : 0) + j * kFp8Block + c;
+                    store_v4(out + out_col * out_rows + out_row, make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]));
                 }
             }
-            // The tiles and maxima are read: the next chunk may write them.
-            __syncthreads();
         }
-        // dweight: this thread's two partials are the other kernels' lanes t and t + 16 (first butterfly
-        // step), then the half warp's butterfly.
+        if (j == chunks - 1) {
+            // dweight: this thread's two partials are the other kernels' lanes t and t + 16 (first
+            // butterfly step), then the half warp's butterfly.
 #pragma unroll
-        for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
-            float sum = partial[i] + partial_other[i];
+            for (int i = 0; i < kSwigluTRowsPerThread; ++i) {
+                float sum = partial[i] + partial_other[i];
 #pragma unroll
-            for (int offset = kFp8TileLanes / 2; offset > 0; offset /= 2)
-                sum += __shfl_xor_sync(kFullMask, sum, offset);
-            const u32 r = row0 + row_in_step + 16 * i;
-            if (t == 0 && r < rows)
-                dweight[r] = sum;
+                for (int offset = kFp8TileLanes / 2; offset > 0; offset /= 2)
+                    sum += __shfl_xor_sync(kFullMask, sum, offset);
+                const u32 r = row0 + row_in_step + kSwigluTRowStep * i;
+                if (t == 0 && r < rows)
+                    dweight[r] = sum;
+            }
         }
+        // The tiles and maxima are read: the next chunk may write them.
+        __syncthreads();
+        if (!have_next)
+            break;
+        if (next_j == 0) {
+#pragma unroll
+            for (int i = 0; i < kSwigluTRowsPerThread; ++i)
+                w[i] = w_next[i];
+        }
+        rb = next_rb;
+        j = next_j;
     }
 }
 
