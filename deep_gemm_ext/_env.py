@@ -131,30 +131,9 @@ def print_configs() -> bool:
     return _flag("DGE_PRINT_CONFIGS")
 
 
-GEMM_SCHEDULES = ("cooperative", "pingpong")
-
-
-def gemm_schedule() -> str:
-    """DGE_GEMM_SCHEDULE: consumer schedule of the SM90 grouped GEMMs. ``cooperative`` (default): both
-    consumer warpgroups on every 128 x 256 (or 128 x 128) tile; ``pingpong``: each warpgroup on
-    alternate 128 x 128 tiles, one's epilogue overlapping the other's mainloop (same bits as
-    cooperative 128 x 128 tiles)."""
-    value = _get("DGE_GEMM_SCHEDULE", "cooperative").strip().lower()
-    if value not in GEMM_SCHEDULES:
-        raise ValueError(f"DGE_GEMM_SCHEDULE={os.environ['DGE_GEMM_SCHEDULE']!r}: expected one of {GEMM_SCHEDULES}")
-    return value
-
-
 def use_jit_kernels() -> bool:
     """DGE_DISABLE_JIT: set to 1 to run the GPU path on torch ops only (no JIT kernels)."""
     return not _flag("DGE_DISABLE_JIT")
-
-
-def fused_epilogues() -> bool:
-    """DGE_FUSED_EPILOGUES: SwiGLU forward/backward fused into the SM90 GEMM epilogues. Off by
-    default: on the H200 both fused GEMMs are slower than GEMM + elementwise kernel today (their
-    epilogue does not overlap the next tile's mainloop); see docs/perf-notes.md."""
-    return _flag("DGE_FUSED_EPILOGUES")
 
 
 _GATHER_MODES = {"cp_async": "cp_async", "1": "cp_async", "on": "cp_async", "true": "cp_async", "yes": "cp_async",

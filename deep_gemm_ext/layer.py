@@ -17,8 +17,8 @@ under which precision (``plan.precision``) and token exchange (``plan.tokens``) 
 choice (deep_gemm_ext.plan); so is which steps run inside the GEMMs: the L1 GEMM gathering x's
 rows (``gather_x``; no pool of x is built and x is saved instead), the backward's GEMMs gathering
 dy and x (``gather_backward``), GEMM outputs written in top-k slot order for the combine
-(``combine_epilogue``), SwiGLU in the GEMM epilogues (``swiglu_epilogues``). Where a fusion is
-off, the separate elementwise step of deep_gemm_ext.elementwise runs.
+(``combine_epilogue``). Where a fusion is off, the separate elementwise step of
+deep_gemm_ext.elementwise runs.
 
 The backward needs only the L1 output h, the rows of x (the pool, or x itself), the routing
 metadata and the weights: act is recomputed from h, and d topk_weights is ``<da', act>``.
@@ -29,7 +29,7 @@ import torch
 
 from . import elementwise
 from .plan import Plan
-from .providers import Fp8Cols, Fp8Rows, Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .providers import Fp8Cols, Fp8Rows, Gather, ScatterSlots
 from .providers.base import fp8_cols_rows
 from .routing import RoutingMeta, pool_rows
 
@@ -142,19 +142,14 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         a = gather = None
         x_rows = a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
     l1 = precision.expert_weights(l1_weights, cdt)
-    if plan.swiglu_epilogues:
-        h, act = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather,
-                                 epilogue=SwigluForward(activation_clamp))
-        _rows_arrived(pending)
+    # h is an output of the op: rows no expert owns are zero rather than stale memory.
+    h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
+    _rows_arrived(pending)
+    if plan.fp8_rows:
+        # The L2 GEMM's operand straight from h: act's fp8 rows and scales, no bf16 act written.
+        act = Fp8Rows(*elementwise.swiglu_forward_fp8(h, activation_clamp, plan.kernels))
     else:
-        # h is an output of the op: rows no expert owns are zero rather than stale memory.
-        h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
-        _rows_arrived(pending)
-        if plan.fp8_rows:
-            # The L2 GEMM's operand straight from h: act's fp8 rows and scales, no bf16 act written.
-            act = Fp8Rows(*elementwise.swiglu_forward_fp8(h, activation_clamp, plan.kernels))
-        else:
-            act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
+        act = elementwise.swiglu_forward(h, activation_clamp, plan.kernels)
     y_r = _combine(plan, act, precision.expert_weights(l2_weights, cdt), "nt", meta, w_r, x.dtype)
     y = plan.tokens.combine(y_r, handle)
     return y, [x_rows, w_r, l1_weights, l2_weights, h, *meta.tensors(), *handle]
@@ -215,37 +210,30 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
             if fused:
                 *dy_fp8, a_dy = dy_fp8
     l2 = precision.expert_weights(l2_weights, cdt)
-    if plan.swiglu_epilogues:
-        row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
-        # da' = dy @ l2[e] stays in fp32 registers; the epilogue writes dh, <da', act> and act_w.
-        dh, d_row_weight, act_w = gemms.m_grouped(a_dy, l2, meta, "nn", recipe=precision, gather=gather,
-                                                  epilogue=SwigluBackward(h, row_weight, activation_clamp))
-        dh_l1 = dh
+    a_l2 = a_dy if dy_fp8 is None else Fp8Rows(*dy_fp8)  # the bf16 pool stays for dW2
+    dy_fp8 = None
+    da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
+    del a_l2
+    # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the
+    # backward arrives, and nothing before it reads them.
+    row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
+    if plan.fp8_cols:
+        # fp8 weight gradients: dh's rows for the L1 data gradient and the column-quantized transposes of
+        # dh and act_w for dW1 and dW2, in one pass; no bf16 dh or act_w.
+        d_row_weight, *quantized = elementwise.swiglu_backward_fp8_t(
+            h, da, row_weight, activation_clamp, plan.kernels, rows=fp8_cols_rows(meta.num_pool_rows))
+        dh_l1, dh, act_w = Fp8Rows(*quantized[0:2]), Fp8Cols(*quantized[2:4]), Fp8Cols(*quantized[4:6])
+        del quantized
+    elif plan.fp8_rows:
+        # The SwiGLU backward also quantizes dh for the L1 data gradient (no separate pass).
+        dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,
+                                                                              plan.kernels)
+        dh_l1 = Fp8Rows(*dh_rows)
+        del dh_rows  # dh_l1 alone holds the e4m3 dh: freed after the L1 dgrad, before dW1's output
     else:
-        a_l2 = a_dy if dy_fp8 is None else Fp8Rows(*dy_fp8)  # the bf16 pool stays for dW2
-        dy_fp8 = None
-        da = gemms.m_grouped(a_l2, l2, meta, "nn", recipe=precision, gather=gather)  # l2[e] is [H, I]: dy @ l2[e]
-        del a_l2
-        # The row weights only after the L2 dgrad is launched: the GPU idles until that first GEMM of the
-        # backward arrives, and nothing before it reads them.
-        row_weight = _take_or_zero(w_rows.reshape(-1), meta.row_to_slot, plan.kernels)
-        if plan.fp8_cols:
-            # fp8 weight gradients: dh's rows for the L1 data gradient and the column-quantized transposes of
-            # dh and act_w for dW1 and dW2, in one pass; no bf16 dh or act_w.
-            d_row_weight, *quantized = elementwise.swiglu_backward_fp8_t(
-                h, da, row_weight, activation_clamp, plan.kernels, rows=fp8_cols_rows(meta.num_pool_rows))
-            dh_l1, dh, act_w = Fp8Rows(*quantized[0:2]), Fp8Cols(*quantized[2:4]), Fp8Cols(*quantized[4:6])
-            del quantized
-        elif plan.fp8_rows:
-            # The SwiGLU backward also quantizes dh for the L1 data gradient (no separate pass).
-            dh, d_row_weight, act_w, *dh_rows = elementwise.swiglu_backward_fp8(h, da, row_weight, activation_clamp,
-                                                                                  plan.kernels)
-            dh_l1 = Fp8Rows(*dh_rows)
-            del dh_rows  # dh_l1 alone holds the e4m3 dh: freed after the L1 dgrad, before dW1's output
-        else:
-            dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp, plan.kernels)
-            dh_l1 = dh
-        del da
+        dh, d_row_weight, act_w = elementwise.swiglu_backward(h, da, row_weight, activation_clamp, plan.kernels)
+        dh_l1 = dh
+    del da
     d_l2 = gemms.k_grouped(a_dy, act_w, meta, recipe=precision, gather_a=gather)  # [E, H, I]
     del a_dy, act_w
     # l1[e] is [2I, H]: dh @ l1[e], summed over each token's slots

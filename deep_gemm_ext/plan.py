@@ -5,9 +5,8 @@ the ``DGE_*`` knobs (through :mod:`deep_gemm_ext._env`) and returns a :class:`Pl
 provider runs the grouped GEMMs, under which precision recipe, over which token exchange, which
 steps are fused into the GEMMs, and the pool's row alignment. The layer (:mod:`deep_gemm_ext.layer`)
 and everything below it take the plan and decide nothing themselves: this is the only module that
-compares backend / recipe names or reads the environment for the layer, ``DGE_GEMM_SCHEDULE``
-included (the plan's ``gemm_schedule``, handed to the SM90 provider). Diagnostics are read where
-they act, through _env like every knob: ``DGE_PRINT_CONFIGS`` at each GEMM launch, the JIT
+compares backend / recipe names or reads the environment for the layer. (Diagnostics are read
+where they act, through _env like every knob: ``DGE_PRINT_CONFIGS`` at each GEMM launch, the JIT
 compiler's ``DGE_JIT_*`` when it compiles.)
 
 A plan travels through the custom ops as a short string (``Plan.encode`` / ``decode``), so the fake
@@ -26,7 +25,7 @@ import torch
 from . import _env
 from . import comm
 from .comm.all_to_all import default_ep_buffer
-from .providers import PROVIDERS, GemmProvider, ScatterSlots, SwigluBackward, SwigluForward
+from .providers import PROVIDERS, GemmProvider, ScatterSlots
 from .recipes import RECIPES as _RECIPE_OBJECTS
 from .recipes import Recipe
 from .recipes.fp8 import FP8_BLOCK
@@ -71,19 +70,17 @@ class Plan:
                       unset: on only where every backward operand is quantized by a gathering kernel, fp8 weight
                       gradients on the sm90 provider)
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
-    swiglu_epilogues  SwiGLU forward / backward in the epilogues of the L1 forward / L2 dgrad GEMMs
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
                       (DGE_FP8_WGRAD; unset: "bf16" on the sm90 provider, "fp8" on the others)
     fp8_rows          under the fp8 recipe, the layer hands the fp8 GEMMs 1x128-quantized rows made where they
                       cost least: act by the SwiGLU forward (no bf16 act), dh by the SwiGLU backward (besides
                       the bf16 dh), dy's pool rows quantized per token and gathered (providers that take
-                      Fp8Rows, SwiGLU not in epilogues)
+                      Fp8Rows)
     fp8_cols          with fp8_rows and fp8 weight gradients on a provider that takes Fp8Cols: the SwiGLU backward
                       also writes dh and act_w quantized 128x1 down their columns and transposed (the weight
                       gradients' operands) in the same pass, and no bf16 dh or act_w
     check_ids         check topk_idx on the host when not capturing a CUDA graph (else, on a GPU, a
                       device-side assertion)
-    gemm_schedule     consumer schedule of the SM90 GEMMs: "cooperative" or "pingpong" (same bits)
     ep_overlap        the symmetric exchange's dispatch pulls x's rows on a side stream while the L1 GEMM
                       runs, waiting tile by tile for its rows' source ranks (DGE_EP_OVERLAP; bf16 rows and x,
                       the sm90 provider with the cp.async gather; same bits as without)
@@ -99,19 +96,17 @@ class Plan:
     gather_x: str = ""
     gather_backward: bool = False
     combine_epilogue: bool = False
-    swiglu_epilogues: bool = False
     check_ids: bool = True
     fp8_wgrad: str = "fp8"
     fp8_rows: bool = False
     fp8_cols: bool = False
-    gemm_schedule: str = "cooperative"
     ep_overlap: bool = False
 
     # -- the parts ------------------------------------------------------------------------------
 
     @property
     def gemms(self) -> GemmProvider:
-        return PROVIDERS[self.provider].configured(gemm_schedule=self.gemm_schedule)
+        return PROVIDERS[self.provider]
 
     @property
     def precision(self) -> Recipe:
@@ -157,7 +152,6 @@ class Plan:
                  "elementwise steps in " + ("JIT kernels" if self.jit_elementwise else "torch ops")]
         fusions = [name for name, on in (("L1 gathers x", self.gather_x), ("backward gathers", self.gather_backward),
                                          ("combine epilogues", self.combine_epilogue),
-                                         ("SwiGLU epilogues", self.swiglu_epilogues),
                                          ("act and dh quantized in the SwiGLU kernels, dy per token", self.fp8_rows),
                                          ("dh and act_w column-quantized in the SwiGLU backward", self.fp8_cols),
                                          ("dispatch overlapped with the L1 GEMM", self.ep_overlap)) if on]
@@ -218,16 +212,13 @@ class ShapeFacts(NamedTuple):
     """What the plan needs to know of the layer's sizes (plain bools, so that the resolution is a
     constant of a compiled graph even where torch.compile treats the sizes as symbols)."""
     sm90_gemm: bool          # our SM90 GEMMs take (hidden, intermediate)
-    swiglu_epilogue: bool    # our SwiGLU epilogues take intermediate
     grouped_mm_groups: bool  # torch._grouped_mm takes this many experts
 
 
 def shape_facts(hidden: int, intermediate: int, num_experts: int) -> ShapeFacts:
     # `True if ... else False`: under torch.compile a size comparison is specialized (guarded) here.
-    kernels = _jit_kernels_module()
     return ShapeFacts(
         sm90_gemm=True if sm90_gemm_supported(hidden, intermediate) else False,
-        swiglu_epilogue=True if kernels is not None and kernels.swiglu_epilogue_supported(intermediate) else False,
         grouped_mm_groups=True if num_experts <= GROUPED_MM_MAX_GROUPS else False,
     )
 
@@ -329,9 +320,9 @@ def remember_call(key, reads: dict, encoded: str) -> None:
 
 
 @torch._dynamo.assume_constant_result
-def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm90_gemm: bool, swiglu_epilogue: bool,
+def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm90_gemm: bool,
                      grouped_mm_groups: bool, backend: str, recipe: str, exchange: str) -> str:
-    args = (device_type, device_index, dtype, sm90_gemm, swiglu_epilogue, grouped_mm_groups, backend, recipe, exchange)
+    args = (device_type, device_index, dtype, sm90_gemm, grouped_mm_groups, backend, recipe, exchange)
     key = (args, choose_provider, jit_available, _jit_kernels_module)
     hit = _RESOLVED.get(key)
     if hit is not None and _env.unchanged(hit[0]):
@@ -345,10 +336,10 @@ def _resolve_encoded(device_type: str, device_index: int, dtype: torch.dtype, sm
     return encoded
 
 
-def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, sm90_gemm: bool, swiglu_epilogue: bool,
+def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, sm90_gemm: bool,
                       grouped_mm_groups: bool, backend: str, recipe: str, exchange: str) -> str:
     device = torch.device(device_type) if device_index < 0 else torch.device(device_type, device_index)
-    facts = ShapeFacts(sm90_gemm, swiglu_epilogue, grouped_mm_groups)
+    facts = ShapeFacts(sm90_gemm, grouped_mm_groups)
     provider = choose_provider(device, dtype, facts, backend, recipe)
     gemms = PROVIDERS[provider]
     # Weight gradients under fp8: bf16 on our SM90 provider unless asked (its fp8 K-grouped GEMM is not
@@ -360,9 +351,7 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
     gather_mode = _env.fused_gather()
     gather_x = gather_mode if (gather_mode is not None and gemms.gathers) else ""
     gather_backward = _env.fused_gather_backward()
-    swiglu_epilogues = (_env.fused_epilogues() and gemms.supports(precision, SwigluForward, facts)
-                        and gemms.supports(precision, SwigluBackward, facts))
-    fp8_rows = bool(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16" and not swiglu_epilogues)
+    fp8_rows = bool(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16")
     plan = Plan(
         provider=provider,
         recipe=recipe,
@@ -374,14 +363,12 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
         gather_x=gather_x,
         gather_backward=bool(gather_x) and (gather_backward if gather_backward is not None else bool(
             precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather)),
-        combine_epilogue=gemms.supports(precision, ScatterSlots, facts) and _env.fused_combine(),
-        swiglu_epilogues=swiglu_epilogues,
+        combine_epilogue=gemms.supports(precision, ScatterSlots) and _env.fused_combine(),
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",
         fp8_wgrad=wgrad,
         fp8_rows=fp8_rows,
         fp8_cols=bool(fp8_rows and precision.fp8_wgrad and gemms.takes_fp8_cols),
-        gemm_schedule=_env.gemm_schedule(),
         ep_overlap=ep_overlap_applies(_env.ep_overlap(), exchange, provider, recipe, dtype, gather_x),
     )
     return plan.encode()

@@ -53,15 +53,13 @@ def _ours(backend="auto", recipe="bf16"):
 
 def _variant_env(backend: str) -> dict[str, str]:
     """The DGE_* knobs a row's backend name selects (the defaults for every other row)."""
-    return {"DGE_FUSED_EPILOGUES": "1" if "fused-swiglu" in backend else "0",
-            "DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
+    return {"DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else
                                  "tma" if "gather-tma" in backend else "cp_async"),
             # Unset for fp8 weight gradients: the plan's default there gathers (in the quantizers).
             "DGE_FUSED_GATHER_BACKWARD": ("1" if "gather-backward" in backend else
                                           "" if "fp8-wgrad" in backend else "0"),
             "DGE_FP8_WGRAD": "fp8" if "fp8-wgrad" in backend else "",
-            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
-            "DGE_GEMM_SCHEDULE": "pingpong" if "pingpong" in backend else "cooperative"}
+            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}
 
 
 BASE = ("grouped_mm", "torch", "bf16")
@@ -126,12 +124,6 @@ def implementations(with_loop: bool, all_variants: bool = False, compiled: bool 
     # With fp8 weight gradients on our fp8 K-grouped GEMM (DGE_FP8_WGRAD=fp8; the backward's
     # quantization kernels then gather dy's and x's rows: the plan's default for that mode).
     impls[("ours", "auto+fp8-wgrad", "fp8")] = Impl(_ours(recipe="fp8"))
-    # The same kernels with SwiGLU forward / backward fused into the GEMM epilogues (opt-in).
-    # Our GEMMs on the ping-pong consumer schedule (DGE_GEMM_SCHEDULE=pingpong), alone and with the
-    # SwiGLU epilogues it may make pay.
-    impls[("ours", "auto+pingpong", "bf16")] = Impl(_ours())
-    impls[("ours", "auto+pingpong+fused-swiglu", "bf16")] = Impl(_ours())
-    impls[("ours", "auto+fused-swiglu", "bf16")] = Impl(_ours())
     # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself,
     # and gathering x with 1-row TMA boxes rather than cp.async.
     impls[("ours", "auto+pool-gather", "bf16")] = Impl(_ours())

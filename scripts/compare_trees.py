@@ -10,7 +10,7 @@ not as a difference in the layer. Cases (``--groups``):
   experts (all its shapes but the expert count, so it runs quickly);
 - ``fuzz``: the seeded cases of tests/fuzz_utils.py (the GPU fuzz's seeds, 0-255 by default);
 - ``env``: Qwen3-30B-A3B T4096 and the first ``--env-fuzz-seeds`` fuzz cases under each documented
-  variant: DGE_FUSED_GATHER=0, DGE_FUSED_COMBINE=0, DGE_FUSED_EPILOGUES=1.
+  variant: DGE_FUSED_GATHER=0, DGE_FUSED_COMBINE=0.
 
 Outputs are saved as .pt files (per tree, per case) in a temporary directory and compared with
 NaN-aware equality (equal, or NaN in both); the table ends the output. Exit status 0 when every case
@@ -48,7 +48,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 OUTPUTS = ("y", "dx", "dtopk_w", "dl1", "dl2")
 #: The variants README.md documents, each against the defaults.
-ENV_VARIANTS = ({"DGE_FUSED_GATHER": "0"}, {"DGE_FUSED_COMBINE": "0"}, {"DGE_FUSED_EPILOGUES": "1"})
+ENV_VARIANTS = ({"DGE_FUSED_GATHER": "0"}, {"DGE_FUSED_COMBINE": "0"})
 #: name -> (T, H, I, E, K); the GPU's headline shapes and the CPU's tiny stand-ins.
 HEADLINE = {
     "cuda": {"qwen3-30b-a3b-t16384": (16384, 2048, 768, 128, 8),

@@ -1,7 +1,6 @@
 """Time the SM90 grouped GEMMs of one MoE layer against torch._grouped_mm, in one process.
 
     python scripts/gemm_bench.py [--workload qwen3-30b-a3b-t16384] [--reps 20] [--json out.json]
-    python scripts/gemm_bench.py --schedules [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8 [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --wgrad [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --clusters [--workload W ...] [--reps 20] [--json out.json]
@@ -14,10 +13,6 @@ For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 
 median of --reps CUDA-event timings after warm-up (each of --calls back-to-back calls, so that
 the launchers' host work overlaps the kernels), TFLOP/s over the pool rows the experts own, and
 the ratio to torch._grouped_mm on the same operands (offs = ends). Prints a table last.
-
---schedules: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
-TFLOP/s of the cooperative and the ping-pong consumer schedule (the launchers' ``schedule``
-argument; DGE_GEMM_SCHEDULE for the layer) and of one dense cuBLAS GEMM (torch.matmul) of the same M x N x K.
 
 --fp8: per M-grouped GEMM of each workload (L1/L2 forward, and the dgrads on the transposed weight
 copies), TFLOP/s of our blockwise-fp8 GEMM (m_grouped_fp8_gemm_nt_contiguous, operands quantized by
@@ -94,16 +89,14 @@ from deep_gemm_ext.recipes import fp8 as fp8_recipe  # noqa: E402
 from deep_gemm_ext.routing import compute_routing_torch  # noqa: E402
 from deep_gemm_ext.testing import WORKLOADS, GpuReadings, make_routing, median_ms  # noqa: E402
 
-_SCHEDULE_WORKLOADS = ("qwen3-30b-a3b-t16384", "qwen3-235b-a22b-t8192")
+#: The default workloads of --clusters and --epilogue.
+_TWO_WORKLOADS = ("qwen3-30b-a3b-t16384", "qwen3-235b-a22b-t8192")
 
 
 def _pool(rows: int, cols: int, pad: torch.Tensor) -> torch.Tensor:
     data = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
     data[pad] = 0
     return data
-
-
-_DEFAULT = "cooperative"
 
 
 def _cases(w):
@@ -125,19 +118,18 @@ def _cases(w):
     nt, nn, tn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous, \
         gg.k_grouped_bf16_gemm_tn_contiguous
     cases = [
-        ("L1 fwd  nt", (used, 2 * I, H), lambda sch=_DEFAULT: nt(x, l1, starts, ends, schedule=sch),
+        ("L1 fwd  nt", (used, 2 * I, H), lambda: nt(x, l1, starts, ends),
          lambda: torch._grouped_mm(x, l1.transpose(-2, -1), offs=offs)),
-        ("L2 fwd  nt", (used, H, I), lambda sch=_DEFAULT: nt(act, l2, starts, ends, schedule=sch),
+        ("L2 fwd  nt", (used, H, I), lambda: nt(act, l2, starts, ends),
          lambda: torch._grouped_mm(act, l2.transpose(-2, -1), offs=offs)),
-        ("L1 fwd  nt paired", (used, 2 * I, H),
-         lambda sch=_DEFAULT: nt(x, l1, starts, ends, paired_n=True, schedule=sch), None),
-        ("L2 dgrad nn", (used, I, H), lambda sch=_DEFAULT: nn(dy, l2, starts, ends, schedule=sch),
+        ("L1 fwd  nt paired", (used, 2 * I, H), lambda: nt(x, l1, starts, ends, paired_n=True), None),
+        ("L2 dgrad nn", (used, I, H), lambda: nn(dy, l2, starts, ends),
          lambda: torch._grouped_mm(dy, l2, offs=offs)),
-        ("L1 dgrad nn", (used, H, 2 * I), lambda sch=_DEFAULT: nn(dh, l1, starts, ends, schedule=sch),
+        ("L1 dgrad nn", (used, H, 2 * I), lambda: nn(dh, l1, starts, ends),
          lambda: torch._grouped_mm(dh, l1, offs=offs)),
-        ("L1 wgrad tn", (2 * I, H, used), lambda sch=_DEFAULT: tn(dh, x, starts, ends, schedule=sch),
+        ("L1 wgrad tn", (2 * I, H, used), lambda: tn(dh, x, starts, ends),
          lambda: torch._grouped_mm(dh.t(), x, offs=offs)),
-        ("L2 wgrad tn", (H, I, used), lambda sch=_DEFAULT: tn(dy, act, starts, ends, schedule=sch),
+        ("L2 wgrad tn", (H, I, used), lambda: tn(dy, act, starts, ends),
          lambda: torch._grouped_mm(dy.t(), act, offs=offs)),
     ]
     return cases, used
@@ -183,31 +175,6 @@ def _cublas_tflops(m: int, n: int, k: int, reps: int, cache: dict | None = None,
     if cache is not None:
         cache[(m, n, k)] = tflops
     return tflops
-
-
-def _schedule_table(args) -> int:
-    results = []
-    for workload in args.workload or _SCHEDULE_WORKLOADS:
-        w = WORKLOADS[workload]
-        cases, used = _cases(w)
-        for name, (m, n, k), ours, _ in cases:
-            flops = 2.0 * m * n * k
-            row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k}
-            for schedule in gg.SCHEDULES:
-                row[schedule] = flops / median_ms(lambda: ours(schedule), args.reps, calls=args.calls) / 1e9
-            row["cublas"] = _cublas_tflops(m, n, k, args.reps, calls=args.calls)
-            results.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print(f"TFLOP/s on {torch.cuda.get_device_name()} (dense cuBLAS: torch.matmul of the same M x N x K)")
-    print(f"{'workload':<22} | {'gemm':<18} | {'M x N x K':>20} | {'cooperative':>11} | {'pingpong':>8} | "
-          f"{'cuBLAS':>6} | ping/coop")
-    for r in results:
-        shape = f"{r['m']}x{r['n']}x{r['k']}"
-        print(f"{r['workload']:<22} | {r['gemm']:<18} | {shape:>20} | {r['cooperative']:11.1f} | "
-              f"{r['pingpong']:8.1f} | {r['cublas']:6.1f} | {r['pingpong'] / r['cooperative']:8.2f}x")
-    return 0
 
 
 def _fp8_cases(w, tiles: bool = False):
@@ -476,7 +443,7 @@ def _cluster_cases(w):
 
 def _cluster_table(args) -> int:
     results = []
-    for workload in args.workload or _SCHEDULE_WORKLOADS:
+    for workload in args.workload or _TWO_WORKLOADS:
         w = WORKLOADS[workload]
         cublas = {}
         cases, used = _cluster_cases(w)
@@ -532,7 +499,7 @@ def _epilogue_cases(w):
 
 def _epilogue_table(args) -> int:
     results = []
-    for workload in args.workload or _SCHEDULE_WORKLOADS:
+    for workload in args.workload or _TWO_WORKLOADS:
         w = WORKLOADS[workload]
         cublas = {}
         cases, used = _epilogue_cases(w)
@@ -824,10 +791,8 @@ def _ceiling_table(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
-                        help="the layer (repeatable with --schedules, --fp8 and --upstream; default "
-                             f"qwen3-30b-a3b-t16384, with --schedules {' and '.join(_SCHEDULE_WORKLOADS)})")
-    parser.add_argument("--schedules", action="store_true",
-                        help="cooperative vs ping-pong vs dense cuBLAS TFLOP/s per GEMM")
+                        help="the layer (repeatable with the tables; default qwen3-30b-a3b-t16384, with "
+                             f"--clusters and --epilogue {' and '.join(_TWO_WORKLOADS)})")
     parser.add_argument("--fp8", action="store_true",
                         help="our blockwise-fp8 GEMM vs our bf16 GEMM TFLOP/s per M-grouped GEMM of the layer")
     parser.add_argument("--wgrad", action="store_true",
@@ -852,17 +817,15 @@ def main(argv: list[str] | None = None) -> int:
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
-    if (args.schedules + args.fp8 + args.wgrad + args.clusters + args.epilogue + args.upstream + args.fp8_tiles
-            + args.ceiling > 1):
-        parser.error("--schedules, --fp8, --wgrad, --clusters, --epilogue, --upstream, --fp8-tiles and --ceiling: one "
-                     "table at a time")
+    if args.fp8 + args.wgrad + args.clusters + args.epilogue + args.upstream + args.fp8_tiles + args.ceiling > 1:
+        parser.error("--fp8, --wgrad, --clusters, --epilogue, --upstream, --fp8-tiles and --ceiling: one table at a "
+                     "time")
     if args.ceiling:
         return _ceiling_table(args)
-    one_table = not (args.schedules or args.fp8 or args.wgrad or args.clusters or args.epilogue or args.upstream
-                     or args.fp8_tiles)
+    one_table = not (args.fp8 or args.wgrad or args.clusters or args.epilogue or args.upstream or args.fp8_tiles)
     if one_table and args.workload and len(args.workload) > 1:
-        parser.error("--workload: one workload without --schedules, --fp8, --wgrad, --clusters, --epilogue, --upstream "
-                     "or --fp8-tiles")
+        parser.error("--workload: one workload without --fp8, --wgrad, --clusters, --epilogue, --upstream or "
+                     "--fp8-tiles")
     if args.upstream:
         return _upstream_table(args)
     if args.fp8:
@@ -875,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cluster_table(args)
     if args.epilogue:
         return _epilogue_table(args)
-    return _schedule_table(args) if args.schedules else _grouped_table(args)
+    return _grouped_table(args)
 
 
 if __name__ == "__main__":

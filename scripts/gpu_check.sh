@@ -5,7 +5,7 @@
 # to OUT_DIR, and the short tables come last.
 #
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STEP ...]
-#   steps (default: all): build tests fuzz compare bench transformers schedules
+#   steps (default: all): build tests fuzz compare bench transformers
 #   OLD_TREE=/path/to/older/tree  compare: y and gradients bit for bit against that tree (--hash-only)
 #   BENCH_ARGS="--workloads ..."  extra arguments of scripts/bench.py
 #   TEST_WORKERS=6                pytest-xdist workers of the tests step
@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/dge_gpu_check}}
 [ $# -gt 0 ] && shift
-steps=${*:-build tests fuzz compare bench transformers schedules}
+steps=${*:-build tests fuzz compare bench transformers}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 DGE_JIT_CACHE_DIR=${DGE_JIT_CACHE_DIR:-/tmp/dge_jit_cache}
 summary="$out/summary.txt"; : > "$summary"
@@ -73,10 +73,6 @@ if has transformers; then
   timeout 300 python3 scripts/bench_transformers.py --json "$out/bench_transformers.json" > "$out/bench_tf.log" 2>&1 \
     || status=1
   note "transformers"; grep -E "^\|" "$out/bench_tf.log" | tee -a "$summary"
-fi
-if has schedules; then
-  timeout 300 python3 scripts/gemm_bench.py --schedules > "$out/gemm_schedules.log" 2>&1 || status=1
-  note "GEMM schedules"; grep -E "^\|" "$out/gemm_schedules.log" | tee -a "$summary"
 fi
 echo "===== summary"; cat "$summary"
 exit $status

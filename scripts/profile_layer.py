@@ -142,7 +142,7 @@ def gemm_label(name: str) -> str | None:
     policies = [p.split("<")[0] for p in re.findall(r"dge::gemm::((?:Loader|Mainloop|Epilogue)\w*)", name[end:])]
     mainloop = next((p for p in policies if p.startswith("Mainloop")), "?")
     epilogue = next((p for p in policies if p.startswith("Epilogue")), "?")
-    k = args[10] if len(args) > 10 else "0"
+    k = args[9] if len(args) > 9 else "0"
     return (f"GEMM {_GEMM_TYPES.get(args[0], args[0])} {mainloop} {epilogue} n{args[3]} s{args[4]} c{args[5]} "
             f"K{k}")
 

@@ -3,8 +3,8 @@
 
     python scripts/sanitize_driver.py [--part all|layer|kernels]
 
-``layer``: mega_moe_train forward + backward on both GEMM engines (our SM90 GEMMs with and without
-their SwiGLU epilogues, torch._grouped_mm) over the routing edge cases: T = 0, 1, not a multiple of
+``layer``: mega_moe_train forward + backward on both GEMM engines (our SM90 GEMMs at two sizes,
+torch._grouped_mm) over the routing edge cases: T = 0, 1, not a multiple of
 128; empty experts, unused (-1) slots, every slot on one expert, every slot unused; clamp on and
 off; int32 and int64 ids. ``kernels``: each JIT kernel wrapper of deep_gemm_ext.jit_kernels called
 directly, including inputs the layer never produces (ids outside [-1, E), rows past the pool, the
@@ -83,7 +83,7 @@ def layer_case(T, H, I, E, K, kind, clamp, idx_dtype, seed=0):
 
 
 LAYER_SHAPES = {  # (H, I): which GEMMs the layer picks
-    "sm90-swiglu-epilogue": (128, 128),
+    "sm90-i128": (128, 128),
     "sm90": (128, 64),
     "grouped_mm": (72, 40),
 }
@@ -276,27 +276,6 @@ def tma_store_probe():
     return f"max abs err {err:.3g}"
 
 
-def k_gemm_swiglu_fwd(H, I, clamp):
-    fn = _wrapper("m_grouped_bf16_gemm_nt_swiglu")
-    meta = _gemm_meta(77, 4, 3)
-    x_pool = torch.randn(meta.num_pool_rows, H, device="cuda").bfloat16()
-    l1 = (torch.randn(4, 2 * I, H, device="cuda") / H ** 0.5).bfloat16()
-    fn(x_pool, l1, meta.starts, meta.ends, clamp)
-    torch.cuda.synchronize()
-
-
-def k_gemm_swiglu_bwd(H, I, clamp):
-    fn = _wrapper("m_grouped_bf16_gemm_nn_swiglu_bwd")
-    meta = _gemm_meta(77, 4, 3)
-    rows = meta.num_pool_rows
-    dy_pool = torch.randn(rows, H, device="cuda").bfloat16()
-    l2 = (torch.randn(4, H, I, device="cuda") / I ** 0.5).bfloat16()
-    h = torch.randn(rows, 2 * I, device="cuda").bfloat16()
-    row_weight = torch.where(meta.row_to_slot >= 0, 0.5, 0.0).float()
-    fn(dy_pool, l2, h, row_weight, meta.starts, meta.ends, clamp)
-    torch.cuda.synchronize()
-
-
 def run_kernel_cases():
     routings = [(0, 4, 8, 16, torch.int64, False), (1, 4, 8, 128, torch.int32, False),
                 (300, 8, 64, 16, torch.int64, True), (300, 8, 1, 128, torch.int32, True),
@@ -320,9 +299,6 @@ def run_kernel_cases():
         record(f"m_grouped nn K={H} N={N}", lambda: k_gemm_nn(H, N))
         record(f"backward gathers (cp.async) H={H} N={N}", lambda: k_gemm_backward_gathers(H, N))
         record(f"k_grouped tn M={N} N={H}", lambda: k_gemm_wgrad(N, H))
-    for H, I, clamp in [(128, 128, None), (128, 256, 0.5)]:
-        record(f"nt + SwiGLU epilogue H={H} I={I} clamp={clamp}", lambda: k_gemm_swiglu_fwd(H, I, clamp))
-        record(f"nn + SwiGLU backward epilogue H={H} I={I} clamp={clamp}", lambda: k_gemm_swiglu_bwd(H, I, clamp))
 
 
 def main() -> int:

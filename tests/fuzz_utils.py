@@ -105,7 +105,7 @@ def draw_case(seed: int, device_type: str = "cuda", limits: Limits | None = None
     if routing == "empty_experts":
         num_experts = max(num_experts, 2)  # with one expert, "every third expert empty" leaves none
     top_k = rng.randint(1, lim.max_top_k)  # may exceed num_experts: the extra slots stay unused
-    # Multiples of 128 select our SM90 GEMMs (and their SwiGLU epilogues); other sizes torch's.
+    # Multiples of 128 select our SM90 GEMMs; other sizes torch's.
     hidden = _dim(rng, lim.max_hidden, lim.dim_multiple, 128)
     inter = _dim(rng, lim.max_inter, lim.dim_multiple, 128)
     roll = rng.random()

@@ -62,9 +62,7 @@ def test_waiting_gemm_configs_render():
     configs = _await_configs()
     names = {c.name for c in configs}
     assert {"sm90_bf16_grouped_gemm_nt_n256_s4_gather_cpasync_await",
-            "sm90_bf16_grouped_gemm_nt_n128_s6_gather_cpasync_await",
-            "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_gather_cpasync_await",
-            "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_clamp_gather_cpasync_await"} <= names
+            "sm90_bf16_grouped_gemm_nt_n128_s6_gather_cpasync_await"} <= names
     for c in configs:
         code = c.code()
         assert "dge::gemm::LoaderGatherCpAsyncAwait" in code
@@ -102,8 +100,7 @@ def test_overlap_kernels_compile_without_spills_or_serialized_wgmma(tmp_path, mo
     from deep_gemm_ext.jit.compiler import compile_cached
 
     monkeypatch.setenv("DGE_JIT_CACHE_DIR", str(tmp_path))
-    wanted = [(c.name, c.code(), True) for c in _await_configs() if c.block_n == 256 and c.epilogue == "swiglu_fwd"
-              and not c.clamp and c.schedule == "cooperative"]
+    wanted = [(c.name, c.code(), True) for c in _await_configs() if c.block_n == 256]
     wanted += [(n, code, g) for n, code, g in ep_transport.configs() if "meta_w32" in n or "arrive" in n]
     assert len(wanted) == 3
     for name, code, is_gemm in wanted:

@@ -575,10 +575,10 @@ def test_weight_cache_is_bypassed_under_cuda_graph_capture(monkeypatch):
 def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     """On an SM90 GPU "auto" runs both recipes on our kernels; under fp8 their weight gradients are
     bf16 unless DGE_FP8_WGRAD says otherwise (the fp8 K-grouped GEMM is opt-in there), fp8 on the
-    other providers; the SwiGLU backward quantizes dh on ours only, and not inside the epilogues."""
+    other providers; the SwiGLU backward quantizes dh on ours only."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(plan, "jit_available", lambda device: True)
-    facts = plan.ShapeFacts(sm90_gemm=True, swiglu_epilogue=True, grouped_mm_groups=True)
+    facts = plan.ShapeFacts(sm90_gemm=True, grouped_mm_groups=True)
     cuda = torch.device("cuda", 0)
     assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "bf16") == "sm90"
     assert plan.choose_provider(cuda, torch.bfloat16, facts, "auto", "fp8") == "sm90"
@@ -588,7 +588,7 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     monkeypatch.delenv("DGE_FP8_WGRAD", raising=False)
     sm90 = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
     assert (sm90.provider, sm90.fp8_wgrad, sm90.precision.fp8_wgrad) == ("sm90", "bf16", False)
-    assert sm90.combine_epilogue and not sm90.swiglu_epilogues and sm90.fp8_rows and not sm90.fp8_cols
+    assert sm90.combine_epilogue and sm90.fp8_rows and not sm90.fp8_cols
     assert "act and dh quantized in the SwiGLU kernels, dy per token" in sm90.describe()
     assert plan.Plan.decode(sm90.encode()) == sm90
     assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "bf16", "local")).fp8_rows

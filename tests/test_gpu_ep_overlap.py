@@ -82,9 +82,7 @@ def _run_layer(buffers, inputs, e_loc, poison: bool):
 @requires_eager_loading
 @pytest.mark.parametrize("world,e_loc,inter", [(2, 2, 128), (4, 3, 256)])
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "unused_slots"])
-@pytest.mark.parametrize("swiglu_epilogues", [True, False])
-def test_layer_bit_identical_to_the_plain_symmetric_exchange(world, e_loc, inter, routing, swiglu_epilogues, shapes,
-                                                             monkeypatch):
+def test_layer_bit_identical_to_the_plain_symmetric_exchange(world, e_loc, inter, routing, shapes, monkeypatch):
     seed = _seed()
     shapes(e_loc)
     counts = [300, 0, 64, 171][:world]  # ragged, rank 1 has no tokens
@@ -92,7 +90,6 @@ def test_layer_bit_identical_to_the_plain_symmetric_exchange(world, e_loc, inter
                            inter=inter)
     cap = max(counts) + 3
     blocks = _blocks(world)
-    monkeypatch.setenv("DGE_FUSED_EPILOGUES", "1" if swiglu_epilogues else "0")
 
     monkeypatch.setenv("DGE_EP_OVERLAP", "0")
     plain = _run_layer(emulated_ep_buffers(world, cap, H, K, torch.bfloat16, "cuda", blocks=blocks), inputs, e_loc,
@@ -184,9 +181,8 @@ def _waiting_gemm_inputs(seed, world, cap, num_experts, n, routing):
 
 
 @requires_eager_loading
-@pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("routing", ["uniform", "unused_slots"])
-def test_waiting_gemm_waits_for_each_source_block(swiglu, routing):
+def test_waiting_gemm_waits_for_each_source_block(routing):
     """The rows of source s are NaN until arrivals[s] reaches the epoch; blocks arrive one by one,
     late (a sleeping side stream). The waiting GEMM must equal the plain gathered GEMM bit for bit."""
     from deep_gemm_ext import jit_kernels as jk
@@ -203,9 +199,6 @@ def test_waiting_gemm_waits_for_each_source_block(swiglu, routing):
     rows = meta.num_pool_rows
 
     def gemm(a, gth):
-        if swiglu:
-            return jk.m_grouped_bf16_gemm_nt_swiglu(a, b, meta.starts, meta.ends, h_out=torch.zeros(rows, n,
-                                                    device="cuda", dtype=torch.bfloat16), gather=gth)
         return jk.m_grouped_bf16_gemm_nt_contiguous(a, b, meta.starts, meta.ends,
                                                     torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16),
                                                     gather=gth)
@@ -221,10 +214,9 @@ def test_waiting_gemm_waits_for_each_source_block(swiglu, routing):
             arrivals[s:s + 1].fill_(7)
     got = gemm(x_r, jk.Gather(meta.row_to_slot, K, "cp_async", wait))
     torch.cuda.synchronize()
-    used = meta.ends[-1].item()  # rows past it are no expert's (act's are left unwritten)
-    for a, w in zip(got if swiglu else (got,), want if swiglu else (want,)):
-        assert not torch.isnan(a[:used].float()).any(), f"seed {seed}: the GEMM read rows before they arrived"
-        assert torch.equal(a[:used], w[:used]), f"seed {seed}: the waiting GEMM differs from the plain gathered GEMM"
+    used = meta.ends[-1].item()  # rows past it are no expert's
+    assert not torch.isnan(got[:used].float()).any(), f"seed {seed}: the GEMM read rows before they arrived"
+    assert torch.equal(got[:used], want[:used]), f"seed {seed}: the waiting GEMM differs from the plain gathered GEMM"
 
 
 def test_waiting_gemm_bad_inputs():

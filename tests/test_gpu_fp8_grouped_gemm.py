@@ -123,23 +123,25 @@ def test_bf16_sources_do_not_mention_the_element_type():
         assert "dge::gemm::MainloopBF16, Epilogue" in code, config.name
     # + the clusters of 2 (tests/test_gpu_gemm_clusters.py), + the 4-buffer epilogues
     # (tests/test_gpu_gemm_epilogue_staging.py), + the waiting L1 gathers (tests/test_gpu_ep_overlap.py)
-    assert len(gg.configs()) == 56 + 5 + 5 + 7
+    assert len(gg.configs()) == 21 + 5 + 5 + 2
 
 
-@pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(schedule="pingpong"), dict(gather_a="cp_async"),
-                                    dict(epilogue="swiglu_fwd"), dict(block_n=192, fp8_mainloop="overlap")])
+@pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(gather_a="cp_async"), dict(paired_n=True),
+                                    dict(block_n=192, fp8_mainloop="overlap")])
 def test_fp8_config_rejects_what_the_mainloop_does_not_take(kwargs):
     base = dict(layout="nt", block_n=128, dtype="fp8")
     with pytest.raises(ValueError, match="dtype='fp8' takes"):
         gg.GemmConfig(**{**base, **kwargs})
     for block_n in (64, 256):
-        with pytest.raises(ValueError, match=rf"block_n={block_n} with schedule='cooperative', expected one of "
-                                             rf"\(128, 192\)"):
+        with pytest.raises(ValueError, match=rf"block_n={block_n}, expected one of \(128, 192\)"):
             gg.GemmConfig("nt", block_n, dtype="fp8")
-    with pytest.raises(ValueError, match=r"block_n=192 with schedule='cooperative', expected one of \(256, 128\)"):
+    with pytest.raises(ValueError, match=r"block_n=192, expected one of \(256, 128\)"):
         gg.GemmConfig("k_nt", 192, dtype="fp8")
     with pytest.raises(ValueError, match="dtype='fp16'"):
         gg.GemmConfig("nt", 128, dtype="fp16")
+    with pytest.raises(ValueError, match=r"epilogue='unknown', expected one of \('store', 'scatter', "
+                                         r"'scatter_weighted'\)"):
+        gg.GemmConfig("nt", 128, dtype="fp8", epilogue="unknown")
 
 
 def _cpu_operands(p=256, k=256, e=2, n=128):

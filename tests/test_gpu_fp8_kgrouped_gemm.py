@@ -92,12 +92,12 @@ def test_k_grouped_config_is_registered():
 
 
 def test_k_grouped_mainloop_argument_is_checked():
-    with pytest.raises(ValueError, match=r"mainloop='pingpong', expected one of \('serial', 'overlap'\)"):
-        k_grouped_fp8_gemm_nt_contiguous(*_cpu_operands(), mainloop="pingpong")
+    with pytest.raises(ValueError, match=r"mainloop='fast', expected one of \('serial', 'overlap'\)"):
+        k_grouped_fp8_gemm_nt_contiguous(*_cpu_operands(), mainloop="fast")
 
 
 @pytest.mark.parametrize("kwargs", [dict(epilogue="scatter"), dict(block_n=256),
-                                    dict(schedule="pingpong"), dict(gather_a="cp_async")])
+                                    dict(paired_n=True), dict(gather_a="cp_async")])
 def test_k_grouped_config_rejects_what_the_kernel_does_not_take(kwargs):
     with pytest.raises(ValueError, match="dtype='fp8' with layout='k_nt' takes"):
         gg.GemmConfig(**{**dict(layout="k_nt", block_n=128, dtype="fp8"), **kwargs})

@@ -2,7 +2,7 @@
 dgrad and dW2 read dy's rows, dW1 reads x's rows, all through row_to_slot.
 
 GPU (Hopper): the gathered GEMM is bit-identical to gathering the pool first (gather_rows) and
-running the plain GEMM, for the store and SwiGLU epilogues, on uniform / skewed / empty-expert /
+running the plain GEMM, on uniform / skewed / empty-expert /
 one-expert / unused-slot routings, with NaN-poisoned outputs; slots past the tokens and pool rows
 past the pool read zeros (never out of bounds); the layer with DGE_FUSED_GATHER on and off gives
 bit-identical y and gradients, and saves x instead of the pool. CPU: argument checks.
@@ -58,8 +58,7 @@ def test_k_grouped_gather_argument_checks():
 def test_gather_configs_exist():
     names = [c[0] for c in gg.configs()]
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather" in names
-    assert "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_clamp_gather" in names
-    assert "sm90_bf16_grouped_gemm_nt_n256_s4_paired_swiglu_fwd_clamp_gather_cpasync" in names
+    assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather_cpasync" in names
 
 
 def _routed(num_tokens, num_experts, top_k, routing, hidden, seed):
@@ -103,26 +102,6 @@ def test_gather_nt_bit_identical(mode, routing, num_tokens, hidden, n):
 
 @requires_hopper
 @pytest.mark.parametrize("mode", gg.GATHER_MODES)
-@pytest.mark.parametrize("clamp", [None, 3.0])
-@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots"])
-def test_gather_swiglu_bit_identical(mode, clamp, routing):
-    from deep_gemm_ext import jit_kernels as jk
-    num_experts, top_k, hidden, inter = 8, 4, 1024, 256
-    x, meta = _routed(513, num_experts, top_k, routing, hidden, seed=7)
-    l1 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
-    rows = meta.num_pool_rows
-    x_pool = jk.gather_rows(x, meta.row_to_slot, top_k)
-    h0, a0 = gg.m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, meta.starts, meta.ends, clamp,
-                                              h_out=_nan(rows, 2 * inter), act_out=_nan(rows, inter))
-    h1, a1 = gg.m_grouped_bf16_gemm_nt_swiglu(x, l1, meta.starts, meta.ends, clamp, h_out=_nan(rows, 2 * inter),
-                                              act_out=_nan(rows, inter), gather=gg.Gather(meta.row_to_slot, top_k, mode))
-    used = meta.ends[-1].item()
-    assert not torch.isnan(h1[:used].float()).any() and not torch.isnan(a1[:used].float()).any()
-    assert torch.equal(h1[:used], h0[:used]) and torch.equal(a1[:used], a0[:used])
-
-
-@requires_hopper
-@pytest.mark.parametrize("mode", gg.GATHER_MODES)
 def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
     """Slots past the tokens, and ends past the pool, read zero rows: no out-of-bounds access."""
     num_experts, top_k, hidden, n = 2, 2, 256, 256
@@ -147,10 +126,8 @@ def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
 @requires_hopper
 @pytest.mark.parametrize("backward", ["0", "1"])
 @pytest.mark.parametrize("mode", ["cp_async", "tma"])
-@pytest.mark.parametrize("fused_epilogues", ["0", "1"])
 @pytest.mark.parametrize("clamp", [None, 4.0])
-def test_layer_fused_gather_bit_identical(backward, mode, fused_epilogues, clamp, monkeypatch):
-    monkeypatch.setenv("DGE_FUSED_EPILOGUES", fused_epilogues)
+def test_layer_fused_gather_bit_identical(backward, mode, clamp, monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", backward)
     x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="empty_experts", device="cuda", seed=11)
     dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
@@ -196,26 +173,6 @@ def test_gather_nn_bit_identical(routing, hidden, n):
     used = meta.ends[-1].item()
     assert not torch.isnan(got[:used].float()).any()
     assert torch.equal(got[:used], want[:used])
-
-
-@requires_hopper
-@pytest.mark.parametrize("clamp", [None, 2.0])
-@pytest.mark.parametrize("routing", ["uniform", "empty_experts"])
-def test_gather_swiglu_bwd_bit_identical(clamp, routing):
-    from deep_gemm_ext import jit_kernels as jk
-    num_experts, top_k, hidden, inter = 8, 4, 1024, 384
-    dy, meta = _routed(400, num_experts, top_k, routing, hidden, seed=5)
-    rows = meta.num_pool_rows
-    l2 = (torch.randn(num_experts, hidden, inter, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
-    h = torch.randn(rows, 2 * inter, device="cuda").to(torch.bfloat16)
-    row_weight = torch.where(meta.row_to_slot >= 0, 0.25, 0.0).float()
-    want = gg.m_grouped_bf16_gemm_nn_swiglu_bwd(jk.gather_rows(dy, meta.row_to_slot, top_k), l2, h, row_weight,
-                                                meta.starts, meta.ends, clamp)
-    got = gg.m_grouped_bf16_gemm_nn_swiglu_bwd(dy, l2, h, row_weight, meta.starts, meta.ends, clamp,
-                                               gather=gg.Gather(meta.row_to_slot, top_k))
-    used = meta.ends[-1].item()
-    for name, a, b in zip(("dh", "d_row_weight", "act_w"), want, got):
-        assert torch.equal(a[:used], b[:used]), name
 
 
 @requires_hopper

@@ -87,9 +87,9 @@ def test_block_n_choice():
     assert gg.select_tile(100).block_n == 128
     assert gg.select_tile(640, divides=True).block_n == 128
     assert gg.select_tile(512, divides=True).block_n == 256
-    with pytest.raises(ValueError, match="N=200: no cooperative tile"):
+    with pytest.raises(ValueError, match=r"N=200: no tile of \[256, 128\] divides it"):
         gg.select_tile(200, divides=True)
-    assert gg.TILES["cooperative"] == (gg.Tile(256, 4), gg.Tile(128, 6))
+    assert gg.TILES == (gg.Tile(256, 4), gg.Tile(128, 6))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -71,7 +71,7 @@ def test_headline_shapes(one_large_test_at_a_time, shape):
 # baseline alike) flip gradient masks against the fp64 reference: a few percent of error that
 # measures bf16 storage of h, not the kernels. 4.0 keeps the clamp active on a few elements
 # without that; tight clamps are checked kernel by kernel against the same h
-# (test_gpu_jit_kernels, test_gpu_fused_epilogues) and in fp32/fp64 on CPU (test_reference).
+# (test_gpu_jit_kernels) and in fp32/fp64 on CPU (test_reference).
 @pytest.mark.parametrize("clamp", [None, 4.0])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("T", [1, 77, 300])

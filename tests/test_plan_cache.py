@@ -7,7 +7,7 @@ import torch
 
 from deep_gemm_ext import _env, plan
 
-_ARGS = ("cpu", -1, torch.bfloat16, True, True, True, "auto", "bf16", "local")
+_ARGS = ("cpu", -1, torch.bfloat16, True, True, "auto", "bf16", "local")
 
 
 def _resolve(*args):
@@ -15,19 +15,19 @@ def _resolve(*args):
 
 
 def test_recording_notes_each_variable_read_with_its_raw_value(monkeypatch):
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "bf16")
     monkeypatch.delenv("DGE_CHECK_IDS", raising=False)
     with _env.recording() as reads:
-        assert _env.gemm_schedule() == "pingpong"
+        assert _env.fp8_wgrad() == "bf16"
         assert _env.check_ids() is None
         with _env.recording() as inner:  # nested: the outer recording sees the inner reads too
             _env.fused_combine()
-    assert reads["DGE_GEMM_SCHEDULE"] == "pingpong" and reads["DGE_CHECK_IDS"] is None
+    assert reads["DGE_FP8_WGRAD"] == "bf16" and reads["DGE_CHECK_IDS"] is None
     assert "DGE_FUSED_COMBINE" in reads and set(inner) == {"DGE_FUSED_COMBINE"}
     assert _env.unchanged(tuple(reads.items()))
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     assert not _env.unchanged(tuple(reads.items()))
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "bf16")
     monkeypatch.setenv("DGE_CHECK_IDS", "1")  # set where it was unset
     assert not _env.unchanged(tuple(reads.items()))
     assert getattr(_env._local, "recorded", None) is None  # outside a recording, reads note nothing
@@ -36,7 +36,7 @@ def test_recording_notes_each_variable_read_with_its_raw_value(monkeypatch):
 def test_recordings_of_two_threads_stay_apart(monkeypatch):
     import threading
 
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     inside, go_on = threading.Event(), threading.Event()
     other = {}
 
@@ -51,39 +51,39 @@ def test_recordings_of_two_threads_stay_apart(monkeypatch):
     t.start()
     inside.wait(10)
     with _env.recording() as mine:
-        _env.gemm_schedule()
+        _env.fp8_wgrad()
         go_on.set()
         t.join()
-    assert set(mine) == {"DGE_GEMM_SCHEDULE"} and set(other) == {"DGE_CHECK_IDS"}
+    assert set(mine) == {"DGE_FP8_WGRAD"} and set(other) == {"DGE_CHECK_IDS"}
     assert getattr(_env._local, "recorded", None) is None
 
 
 def test_a_changed_variable_resolves_anew(monkeypatch):
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     monkeypatch.setenv("DGE_CHECK_IDS", "0")
     monkeypatch.setenv("DGE_FUSED_COMBINE", "1")
     first = _resolve()
-    assert _resolve() == first and first.gemm_schedule == "cooperative" and not first.check_ids
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "pingpong")
-    assert _resolve().gemm_schedule == "pingpong"
+    assert _resolve() == first and first.fp8_wgrad == "fp8" and not first.check_ids
+    monkeypatch.setenv("DGE_FP8_WGRAD", "bf16")
+    assert _resolve().fp8_wgrad == "bf16"
     monkeypatch.setenv("DGE_CHECK_IDS", "1")
     assert _resolve().check_ids
     monkeypatch.delenv("DGE_CHECK_IDS")
     assert _resolve().check_ids  # unset: the host check on CPU tensors (a "cpu" plan)
     monkeypatch.setenv("DGE_FUSED_COMBINE", "0")
     assert not _resolve().combine_epilogue
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "cooperative")
-    assert _resolve().gemm_schedule == "cooperative"
+    monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
+    assert _resolve().fp8_wgrad == "fp8"
 
 
 def test_a_bad_value_raises_every_call(monkeypatch):
     _resolve()
-    monkeypatch.setenv("DGE_GEMM_SCHEDULE", "sideways")
+    monkeypatch.setenv("DGE_FP8_WGRAD", "sideways")
     for _ in range(2):
-        with pytest.raises(ValueError, match="DGE_GEMM_SCHEDULE"):
+        with pytest.raises(ValueError, match="DGE_FP8_WGRAD"):
             _resolve()
-    monkeypatch.delenv("DGE_GEMM_SCHEDULE")
-    assert _resolve().gemm_schedule == "cooperative"
+    monkeypatch.delenv("DGE_FP8_WGRAD")
+    assert _resolve().fp8_wgrad == "fp8"  # unset: fp8 weight gradients off our SM90 kernels
 
 
 def test_a_replaced_provider_choice_resolves_anew(monkeypatch):
@@ -95,8 +95,8 @@ def test_a_replaced_provider_choice_resolves_anew(monkeypatch):
 
 
 def test_arguments_are_part_of_the_key():
-    assert _resolve(*_ARGS[:7], "fp8", "local").recipe == "fp8"
-    assert _resolve(*_ARGS[:7], "bf16", "local").recipe == "bf16"
+    assert _resolve(*_ARGS[:6], "fp8", "local").recipe == "fp8"
+    assert _resolve(*_ARGS[:6], "bf16", "local").recipe == "bf16"
     assert _resolve("cpu", -1, torch.float32, *_ARGS[3:]).compute_dtype == "float32"
 
 

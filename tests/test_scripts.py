@@ -242,14 +242,14 @@ def test_kernel_gaps_per_stream():
 
 def test_gemm_label_names_our_gemm_configurations():
     fp8 = ("void dge::gemm::sm90_grouped_gemm_kernel<dge::gemm::GemmTraits<(dge::sched::GroupedGemmType)0, "
-           "(dge::mma::Major)0, (dge::mma::Major)0, 192u, 4u, 1u, false, 16u, (dge::gemm::Schedule)0, "
-           "(dge::gemm::ElementType)1, 1536u>, dge::gemm::LoaderTma, dge::gemm::MainloopFP8, "
+           "(dge::mma::Major)0, (dge::mma::Major)0, 192u, 4u, 1u, false, 16u, (dge::gemm::ElementType)1, "
+           "1536u>, dge::gemm::LoaderTma, dge::gemm::MainloopFP8, "
            "dge::gemm::EpilogueScatterSlots<false>, float const*, float const*, __nv_bfloat16*, int const*, "
            "float const*, unsigned int, unsigned int, unsigned int>(int const*, int const*, unsigned int)")
     assert profile_layer.gemm_label(fp8) == "GEMM M-grouped MainloopFP8 EpilogueScatterSlots n192 s4 c1 K1536"
     wgrad = ("void dge::gemm::sm90_grouped_gemm_kernel<dge::gemm::GemmTraits<(dge::sched::GroupedGemmType)1, "
-             "(dge::mma::Major)1, (dge::mma::Major)1, 256u, 4u, 1u, false, 16u, (dge::gemm::Schedule)0, "
-             "(dge::gemm::ElementType)0, 0u>, dge::gemm::LoaderTma, dge::gemm::MainloopBF16, "
+             "(dge::mma::Major)1, (dge::mma::Major)1, 256u, 4u, 1u, false, 16u, (dge::gemm::ElementType)0, "
+             "0u>, dge::gemm::LoaderTma, dge::gemm::MainloopBF16, "
              "dge::gemm::EpilogueStoreBF16, CUtensorMap_st>(int const*, int const*)")
     assert profile_layer.gemm_label(wgrad) == "GEMM K-grouped MainloopBF16 EpilogueStoreBF16 n256 s4 c1 K0"
     staged = wgrad.replace("EpilogueStoreBF16,", "EpilogueStoreBF16Buffers<3u>,").replace("256u, 4u, 1u", "192u, 4u, 2u")

@@ -11,9 +11,7 @@ from .fp8_quant import (quantize_cols_fp8, quantize_cols_transposed_fp8, quantiz
 from .gather_combine import MAX_TOP_K, combine_rows, combine_slots, gather_rows, take_or_zero, zero_rows_past
 from .routing import routing_metadata
 from .sm90_bf16_grouped_gemm import (AwaitRows, Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
-                                     m_grouped_bf16_gemm_nn_contiguous,
-                                     m_grouped_bf16_gemm_nn_swiglu_bwd, m_grouped_bf16_gemm_nt_contiguous,
-                                     m_grouped_bf16_gemm_nt_swiglu, swiglu_epilogue_supported)
+                                     m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous)
 from .sm90_fp8_grouped_gemm import k_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from .swiglu import swiglu_backward, swiglu_forward
 
@@ -33,9 +31,8 @@ def available(device_index: int) -> bool:
 
 __all__ = ["AwaitRows", "Gather", "MAX_TOP_K", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
            "k_grouped_bf16_gemm_tn_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
-           "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nn_swiglu_bwd",
-           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_swiglu",
+           "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_contiguous",
            "m_grouped_fp8_gemm_nt_contiguous", "quantize_cols_fp8", "quantize_cols_transposed_fp8", "quantize_pool_rows_fp8",
            "quantize_rows_fp8",
-           "routing_metadata", "swiglu_backward", "swiglu_backward_fp8", "swiglu_backward_fp8_t", "swiglu_epilogue_supported", "swiglu_forward",
+           "routing_metadata", "swiglu_backward", "swiglu_backward_fp8", "swiglu_backward_fp8_t", "swiglu_forward",
            "swiglu_forward_fp8", "take_or_zero", "zero_rows_past"]

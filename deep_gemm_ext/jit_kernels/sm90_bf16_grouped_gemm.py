@@ -11,11 +11,6 @@ With ``scatter=Scatter(row_to_slot, T*K, weights or row_weights)`` the M-grouped
 token's top-k slot of a [T*K, N] output instead (kernels/epilogue/sm90_scatter_slots.cuh):
 the combine epilogue of the L2 forward (weighted) and the L1 dgrad, reduced by combine_slots.
 
-With the SwiGLU of the layer fused into the epilogue (kernels/epilogue/sm90_swiglu.cuh):
-
-    m_grouped_bf16_gemm_nt_swiglu(x_pool, l1, ...)             -> h, act                L1 forward
-    m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool, l2, h, w, ...)  -> dh, d_row_weight, act_w   L2 dgrad
-
 Expert ``e`` owns pool rows ``[starts[e], ends[e])``; both are multiples of ``GROUP_ALIGNMENT`` (the
 routing of ``deep_gemm_ext.routing`` produces such pools) and padding rows of the pool are zero.
 M-grouped GEMMs leave output rows that no expert owns unwritten; the K-grouped GEMM writes zeros
@@ -23,7 +18,6 @@ for experts without rows. ``starts``/``ends`` stay on the device: nothing here s
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -35,7 +29,6 @@ from .. import _env, jit
 from ..jit import KernelArg
 from ..routing import TOKEN_GROUP_ALIGNMENT
 from .gather_combine import take_or_zero
-from .swiglu import _check_clamp
 
 #: Rows per expert block the kernel assumes (its BLOCK_M): starts/ends must be multiples of it.
 GROUP_ALIGNMENT = TOKEN_GROUP_ALIGNMENT
@@ -60,14 +53,12 @@ class Tile(NamedTuple):
     stages: int
 
 
-#: Candidates per consumer schedule, in order of preference. Measured on H200 (tests/cuda harness):
-#: cooperative 128 x 256 tiles with 4 stages beat 128 x 128 with 6 stages on every MoE shape; 128-wide
-#: tiles only pay off where they pad N less. The ping-pong schedule holds a whole 128-row tile per
-#: warpgroup, so 128 x 128 (two 64 x 128 fp32 accumulator slices fit its registers).
-TILES = {"cooperative": (Tile(256, 4), Tile(128, 6)), "pingpong": (Tile(128, 6),)}
-SCHEDULES = tuple(TILES)
-#: The tile widths each schedule's kernel takes (GemmTraits' static_asserts), and their stages.
-_WIDTHS = {"cooperative": (256, 128), "pingpong": (128,)}
+#: Candidates in order of preference. Measured on H200 (tests/cuda harness): 128 x 256 tiles with 4
+#: stages beat 128 x 128 with 6 stages on every MoE shape; 128-wide tiles only pay off where they pad
+#: N less.
+TILES = (Tile(256, 4), Tile(128, 6))
+#: The tile widths the bf16 kernel takes (GemmTraits' static_asserts), and their stages.
+_WIDTHS = (256, 128)
 _STAGES = {256: 4, 128: 6}
 
 #: The core kernel's arguments before the epilogue's (kernels/impls/sm90_bf16_grouped_gemm.cuh).
@@ -93,14 +84,6 @@ _SCATTER_ARGS = (KernelArg("out", "__nv_bfloat16*"), KernelArg("row_to_slot", "c
 _EPILOGUES = {
     "store": Epilogue("dge::gemm::EpilogueStoreBF16", "epilogue/sm90_store_bf16.cuh",
                       (KernelArg("tma_c", "CUtensorMap"),)),
-    "swiglu_fwd": Epilogue("dge::gemm::EpilogueSwigluForward<{clamp}>", "epilogue/sm90_swiglu.cuh",
-                           (KernelArg("tma_h", "CUtensorMap"), KernelArg("tma_act", "CUtensorMap"),
-                            KernelArg("clamp", "float"))),
-    "swiglu_bwd": Epilogue("dge::gemm::EpilogueSwigluBackward<{clamp}>", "epilogue/sm90_swiglu.cuh",
-                           (KernelArg("tma_dh", "CUtensorMap"), KernelArg("tma_act_w", "CUtensorMap"),
-                            KernelArg("h", "const __nv_bfloat16*"), KernelArg("row_weight", "const float*"),
-                            KernelArg("partials", "float*"), KernelArg("clamp", "float"),
-                            KernelArg("inter", "uint32_t"))),
     # Combine epilogues: pool rows into their top-k slots of a [T*K, N] output (times the slot's weight;
     # the unweighted one never reads `weights`).
     "scatter": Epilogue("dge::gemm::EpilogueScatterSlots<false>", "epilogue/sm90_scatter_slots.cuh", _SCATTER_ARGS),
@@ -146,13 +129,12 @@ MAINLOOPS = {
     "fp8": Mainloop("E4M3", "dge::gemm::MainloopFP8", "mma/sm90_mainloop_fp8.cuh",
                     (KernelArg("scale_a", "const float*"), KernelArg("scale_b", "const float*"))),
 }
-#: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, cooperative tiles, the plain TMA
-#: loader; its default N tile (and the K-grouped GEMM's only one):
+#: What the fp8 mainloop takes (GemmTraits' static_assert): NT layout, the plain TMA loader; its default
+#: N tile (and the K-grouped GEMM's only one):
 _FP8_BLOCK_N = 128
 #: N tiles of the M-grouped fp8 GEMM: 128, or 192 (serial mainloop only: 96 + 96 accumulator registers,
 #: a tile straddling two 128-column weight-scale blocks).
 FP8_BLOCK_NS = (128, 192)
-_FP8_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: Schedules of the fp8 mainloop (MainloopFP8's kOverlapPromotion), each with its C++ policy: "serial"
 #: waits for a k-block's wgmmas before promoting its partial sums; "overlap" alternates two partial
 #: sets, issuing k-block kb + 1 before promoting kb. Same bits under both.
@@ -193,18 +175,16 @@ def fp8_static_k_stages(shape_k: int, block_n: int = _FP8_BLOCK_N) -> int | None
         return depths[0]
     return divides
 #: CTAs per cluster (GemmConfig.cluster_n). A cluster of 2 takes two adjacent M blocks of one N
-#: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader, the
-#: cooperative schedule, unpaired tiles, and the store or combine epilogues.
+#: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader and
+#: unpaired tiles.
 CLUSTER_SIZES = (1, 2)
-CLUSTER_EPILOGUES = ("store", "scatter", "scatter_weighted")
-_CLUSTER_RULES = dict(gather_a=None, gather_b=False, schedule="cooperative", paired_n=False)
+_CLUSTER_RULES = dict(gather_a=None, gather_b=False, paired_n=False)
 #: Staging buffers per consumer warpgroup in the store epilogue (GemmConfig.epilogue_buffers). 2: 64 x 64
 #: chunks alternate between two 8 KiB buffers, so the third chunk of a 64 x 256 slice waits for the first
 #: one's TMA store to finish reading. 4: the whole slice is staged, the chunks of a tile never wait on
 #: each other; 64 KiB for both warpgroups, so the 256-wide tile runs 3 smem stages instead of 4. Same
-#: bits as 2. What it takes: 256-wide cooperative bf16 tiles and the store or combine epilogues.
+#: bits as 2. What it takes: 256-wide bf16 tiles.
 EPILOGUE_BUFFERS = (2, 4)
-STAGED_EPILOGUES = ("store", "scatter", "scatter_weighted")
 #: Stages of the 256-wide tile with 4 epilogue buffers (SmemLayout's 227 KiB: 3 x 48 KiB + 64 KiB).
 _STAGED_STAGES = {256: 3}
 
@@ -216,18 +196,16 @@ class GemmConfig:
     block_n: int
     paired_n: bool = False
     epilogue: str = "store"
-    clamp: bool = False  # SwiGLU epilogues: compile the activation clamp in
     gather_a: str | None = None  # gathering prologue ("tma" or "cp_async"): A rows come from x via row_to_slot
     gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
-    schedule: str = "cooperative"  # consumer schedule: "cooperative" or "pingpong" (SCHEDULES)
     dtype: str = "bf16"  # operand type, a key of MAINLOOPS: "bf16" or "fp8" (blockwise-scaled e4m3)
     fp8_mainloop: str = "serial"  # dtype "fp8" only: the fp8 mainloop's schedule, a key of FP8_MAINLOOPS
     # CTAs per cluster (CLUSTER_SIZES): 2 pairs adjacent M blocks of one N block, which share the B
-    # tile by TMA multicast (kernels/scheduler/sm90_grouped.cuh); plain TMA loader, cooperative
-    # schedule, store or combine epilogues (CLUSTER_EPILOGUES) only.
+    # tile by TMA multicast (kernels/scheduler/sm90_grouped.cuh); plain TMA loader and unpaired tiles
+    # only.
     cluster_n: int = 1
     # Staging buffers of the store / combine epilogues per consumer warpgroup (EPILOGUE_BUFFERS): 4
-    # stages a whole 64 x 256 slice (256-wide cooperative bf16 tiles, 3 smem stages), 2 is the default.
+    # stages a whole 64 x 256 slice (256-wide bf16 tiles, 3 smem stages), 2 is the default.
     epilogue_buffers: int = 2
     # The cp.async gather of A waits, tile by tile, for the source ranks of its rows to have
     # arrived (LoaderGatherCpAsyncAwait: the L1 forward overlapped with the expert-parallel
@@ -241,32 +219,29 @@ class GemmConfig:
     shape_k: int = 0
 
     def __post_init__(self):
-        if self.schedule not in _WIDTHS:
-            raise ValueError(f"GemmConfig: schedule={self.schedule!r}, expected one of {SCHEDULES}")
-        widths = FP8_BLOCK_NS if (self.dtype == "fp8" and self.layout == "nt") else _WIDTHS[self.schedule]
+        widths = FP8_BLOCK_NS if (self.dtype == "fp8" and self.layout == "nt") else _WIDTHS
         if self.block_n not in widths:
-            raise ValueError(f"GemmConfig: block_n={self.block_n} with schedule={self.schedule!r}, expected one of "
-                             f"{widths}")
+            raise ValueError(f"GemmConfig: block_n={self.block_n}, expected one of {widths}")
         if self.dtype not in MAINLOOPS:
             raise ValueError(f"GemmConfig: dtype={self.dtype!r}, expected one of {tuple(MAINLOOPS)}")
         if self.layout not in _TYPES:
             raise ValueError(f"GemmConfig: layout={self.layout!r}, expected one of {tuple(_TYPES)}")
+        if self.epilogue not in _EPILOGUES:
+            raise ValueError(f"GemmConfig: epilogue={self.epilogue!r}, expected one of {tuple(_EPILOGUES)}")
         if self.dtype == "fp8" and self.layout == "k_nt":
             # The K-grouped fp8 GEMM: plain store of the [E, M, N] output, 128-wide tiles (its 32
             # per-column scales a thread beside two 64-register partial sets), either mainloop.
-            fp8 = dict(block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False, schedule="cooperative",
-                       epilogue="store")
+            fp8 = dict(block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False, epilogue="store")
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
             if wrong:
                 raise ValueError(f"GemmConfig: dtype='fp8' with layout='k_nt' takes {fp8}, got {wrong}")
         elif self.dtype == "fp8":
-            fp8 = dict(layout="nt", paired_n=False, gather_a=None, gather_b=False, schedule="cooperative")
+            fp8 = dict(layout="nt", paired_n=False, gather_a=None, gather_b=False)
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
             if self.block_n != _FP8_BLOCK_N and self.fp8_mainloop != "serial":
                 wrong["fp8_mainloop"] = self.fp8_mainloop  # two partial sets of a 192-wide slice do not fit
-            if wrong or self.epilogue not in _FP8_EPILOGUES:
-                raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8} and an epilogue of {_FP8_EPILOGUES}, got "
-                                 f"{wrong or {'epilogue': self.epilogue}}")
+            if wrong:
+                raise ValueError(f"GemmConfig: dtype='fp8' takes {fp8}, got {wrong}")
         elif self.layout == "k_nt":
             raise ValueError(f"GemmConfig: layout='k_nt' with dtype={self.dtype!r}, expected dtype='fp8' (bf16 "
                              f"K-grouped GEMMs read the pools as they are: layout 'tn')")
@@ -279,24 +254,18 @@ class GemmConfig:
             raise ValueError(f"GemmConfig: cluster_n={self.cluster_n!r}, expected one of {CLUSTER_SIZES}")
         if self.cluster_n > 1:
             wrong = {k: getattr(self, k) for k, v in _CLUSTER_RULES.items() if getattr(self, k) != v}
-            if self.epilogue not in CLUSTER_EPILOGUES:
-                wrong["epilogue"] = self.epilogue
             if wrong:
-                raise ValueError(f"GemmConfig: cluster_n={self.cluster_n} takes {_CLUSTER_RULES} and an epilogue of "
-                                 f"{CLUSTER_EPILOGUES}, got {wrong}")
+                raise ValueError(f"GemmConfig: cluster_n={self.cluster_n} takes {_CLUSTER_RULES}, got {wrong}")
         if (not isinstance(self.epilogue_buffers, int) or isinstance(self.epilogue_buffers, bool)
                 or self.epilogue_buffers not in EPILOGUE_BUFFERS):
             raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers!r}, expected one of "
                              f"{EPILOGUE_BUFFERS}")
         if self.epilogue_buffers != 2:
-            staged = dict(block_n=256, schedule="cooperative", dtype="bf16")
+            staged = dict(block_n=256, dtype="bf16")
             wrong = {k: getattr(self, k) for k, v in staged.items() if getattr(self, k) != v}
-            if self.epilogue not in STAGED_EPILOGUES:
-                wrong["epilogue"] = self.epilogue
             if wrong:
-                raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} and an "
-                                 f"epilogue of {STAGED_EPILOGUES} (a 128-wide slice fits the 2 default buffers), "
-                                 f"got {wrong}")
+                raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} (a 128-wide "
+                                 f"slice fits the 2 default buffers), got {wrong}")
         if not isinstance(self.await_rows, bool):
             raise ValueError(f"GemmConfig: await_rows={self.await_rows!r}, expected a bool")
         if self.await_rows:
@@ -332,13 +301,11 @@ class GemmConfig:
         if self.paired_n:
             name += "_paired"
         if self.epilogue != "store":
-            name += f"_{self.epilogue}" + ("_clamp" if self.clamp else "")
+            name += f"_{self.epilogue}"
         if self.gather_a:
             name += "_gather" + ("_cpasync" if self.gather_a == "cp_async" else "")
         if self.gather_b:
             name += "_gatherb_cpasync"
-        if self.schedule != "cooperative":
-            name += f"_{self.schedule}"
         if self.fp8_mainloop != "serial":
             name += f"_{self.fp8_mainloop}"
         if self.cluster_n > 1:
@@ -364,7 +331,7 @@ class GemmConfig:
     def code(self) -> str:
         gemm_type, major_a, major_b = _TYPES[self.layout]
         epilogue = _EPILOGUES[self.epilogue]
-        epilogue_cpp = epilogue.cpp.format(clamp="true" if self.clamp else "false")
+        epilogue_cpp = epilogue.cpp
         if self.epilogue_buffers != 2:
             epilogue_cpp = _STAGED_CPP[self.epilogue].format(buffers=self.epilogue_buffers)
         elif self.block_n == 192 and self.epilogue == "store":
@@ -377,11 +344,10 @@ class GemmConfig:
         mainloop_cpp = FP8_MAINLOOPS[self.fp8_mainloop] if self.dtype == "fp8" else mainloop.cpp
         if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
             includes = f"#include <{epilogue.header}>\n"
-            extra = ", dge::gemm::Schedule::Pingpong" if self.schedule == "pingpong" else ""
-            smem_extra = ""
+            extra = smem_extra = ""
         else:
             includes = f"#include <{epilogue.header}>\n#include <{mainloop.header}>\n"
-            extra = f", dge::gemm::Schedule::Cooperative, dge::gemm::ElementType::{mainloop.element}"
+            extra = f", dge::gemm::ElementType::{mainloop.element}"
             if self.shape_k:
                 extra += f", {self.shape_k}"
             # The mainloop's own smem (the fp8 M-grouped mainloop's staged scales).
@@ -430,17 +396,16 @@ _CONFIG_ARGS: dict = {}
 cached_config = functools.lru_cache(maxsize=1024)(GemmConfig)
 
 
-def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False, schedule: str = "cooperative") -> None:
+def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False) -> None:
     """``cluster_n=`` of a launcher: one of CLUSTER_SIZES, and 2 only where GemmConfig takes it."""
     if isinstance(cluster_n, bool) or cluster_n not in CLUSTER_SIZES:
         raise ValueError(f"cluster_n={cluster_n!r}: expected one of {CLUSTER_SIZES}")
     if cluster_n == 1:
         return
-    for label, value, plain in (("gather", gather, None), ("paired_n", paired_n, False),
-                                ("schedule", schedule, "cooperative")):
+    for label, value, plain in (("gather", gather, None), ("paired_n", paired_n, False)):
         if value != plain:
-            raise ValueError(f"cluster_n={cluster_n} with {label}={value!r}: clusters take the plain TMA loader, "
-                             f"unpaired tiles and the cooperative schedule (expected {label}={plain!r})")
+            raise ValueError(f"cluster_n={cluster_n} with {label}={value!r}: clusters take the plain TMA loader "
+                             f"and unpaired tiles (expected {label}={plain!r})")
 
 
 def _check_epilogue_buffers(epilogue_buffers) -> None:
@@ -450,25 +415,19 @@ def _check_epilogue_buffers(epilogue_buffers) -> None:
         raise ValueError(f"epilogue_buffers={epilogue_buffers!r}: expected one of {EPILOGUE_BUFFERS}")
 
 
-def _staged_buffers(epilogue_buffers: int, block_n: int, schedule: str) -> int:
+def _staged_buffers(epilogue_buffers: int, block_n: int) -> int:
     """The config's epilogue_buffers for the launcher's ``epilogue_buffers=``: where the tile is 128 wide
-    (N that a 128-wide tile pads less, or the ping-pong schedule) the two default buffers already hold
-    the warpgroup's whole 64 x 128 slice, so that tile runs the default kernel."""
-    return epilogue_buffers if block_n == 256 and schedule == "cooperative" else 2
+    (N that a 128-wide tile pads less) the two default buffers already hold the warpgroup's whole
+    64 x 128 slice, so that tile runs the default kernel."""
+    return epilogue_buffers if block_n == 256 else 2
 
 
-def _check_schedule(schedule) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
-
-
-def select_tile(n: int, *, schedule: str = "cooperative", divides: bool = False) -> Tile:
-    """The candidate tile of ``schedule`` for N columns: the one that pads N least, ties going to the
-    earlier (preferred) candidate. ``divides``: only tiles whose width divides N."""
-    tiles = TILES[schedule]
-    candidates = [t for t in tiles if not divides or n % t.block_n == 0]
+def select_tile(n: int, *, divides: bool = False) -> Tile:
+    """The candidate tile for N columns: the one that pads N least, ties going to the earlier
+    (preferred) candidate. ``divides``: only tiles whose width divides N."""
+    candidates = [t for t in TILES if not divides or n % t.block_n == 0]
     if not candidates:
-        raise ValueError(f"N={n}: no {schedule} tile of {[t.block_n for t in tiles]} divides it")
+        raise ValueError(f"N={n}: no tile of {[t.block_n for t in TILES]} divides it")
     return min(candidates, key=lambda t: -(-n // t.block_n) * t.block_n)
 
 
@@ -483,20 +442,9 @@ def _all_configs() -> list[GemmConfig]:
     configs += [GemmConfig("nn", block_n, gather_a="cp_async") for block_n in (256, 128)]
     configs += [GemmConfig("tn", block_n, gather_a="cp_async") for block_n in (256, 128)]
     configs += [GemmConfig("tn", block_n, gather_b=True) for block_n in (256, 128)]
-    for clamp in (False, True):
-        for gather_a in (None, *GATHER_MODES):
-            configs.append(GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp,
-                                      gather_a=gather_a))
-        configs += [GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp, gather_a=gather_a)
-                    for block_n in (256, 128) for gather_a in (None, "cp_async")]
     # The L1 forward overlapped with the expert-parallel dispatch (DGE_EP_OVERLAP): the waiting
-    # cp.async gather, with the plain store and the SwiGLU epilogue.
+    # cp.async gather.
     configs += [GemmConfig("nt", block_n, gather_a="cp_async", await_rows=True) for block_n in (256, 128)]
-    configs += [GemmConfig("nt", 256, paired_n=True, epilogue="swiglu_fwd", clamp=clamp, gather_a="cp_async",
-                           await_rows=True) for clamp in (False, True)]
-    # The ping-pong twin of each (DGE_GEMM_SCHEDULE=pingpong): 128-wide tiles, paired ones included.
-    pingpong = {dataclasses.replace(c, block_n=128, schedule="pingpong"): None
-                for c in configs if c.block_n == 128 or c.paired_n}
     # Clusters of 2 (cluster_n=2): the 256-wide store GEMMs of every layout and the combine epilogues.
     clusters = [GemmConfig(layout, 256, cluster_n=2) for layout in ("nt", "nn", "tn")]
     clusters += [GemmConfig("nt", 256, epilogue="scatter_weighted", cluster_n=2),
@@ -506,28 +454,13 @@ def _all_configs() -> list[GemmConfig]:
     staged = [GemmConfig(layout, 256, epilogue_buffers=4) for layout in ("nt", "nn", "tn")]
     staged += [GemmConfig("nt", 256, epilogue="scatter_weighted", epilogue_buffers=4),
                GemmConfig("nn", 256, epilogue="scatter", epilogue_buffers=4)]
-    return configs + list(pingpong) + clusters + staged
+    return configs + clusters + staged
 
 
 @jit.register("sm90_bf16_grouped_gemm")
 def configs():
     return [(c.name, c.code(), True) for c in _all_configs()]
 
-
-_ROW_WEIGHT_GRAD_THREADS = 256
-_ROW_WEIGHT_GRAD_ARGS = (KernelArg("partials", "const float*"), KernelArg("starts", "const int*"),
-                         KernelArg("ends", "const int*"), KernelArg("num_experts", "uint32_t"),
-                         KernelArg("num_rows", "uint32_t"), KernelArg("num_parts", "uint32_t"),
-                         KernelArg("d_row_weight", "float*"))
-_ROW_WEIGHT_GRAD = ("sm90_swiglu_row_weight_grad",
-                    ("#include <impls/sm90_swiglu_row_weight_grad.cuh>\n"
-                     "static void* __instantiate = reinterpret_cast<void*>(\n"
-                     f"    &dge::gemm::swiglu_row_weight_grad_kernel<{_ROW_WEIGHT_GRAD_THREADS}>);\n"))
-
-
-@jit.register("sm90_swiglu_row_weight_grad")
-def row_weight_grad_configs():
-    return [(*_ROW_WEIGHT_GRAD, False)]
 
 # -- checks -----------------------------------------------------------------------------------------------
 
@@ -582,15 +515,14 @@ def _check_expert_weight(label: str, w: torch.Tensor, experts_w: int, k_w: int, 
                          f"{tuple(a.shape)}")
 
 
-def _check_out(out, shape: tuple[int, ...], device: torch.device, *, label: str = "out",
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _check_out(out, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    _check_tensor(label, out, len(shape), dtype)
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    _check_tensor("out", out, len(shape), torch.bfloat16)
     if tuple(out.shape) != shape:
-        raise ValueError(f"{label}: shape {tuple(out.shape)}, expected {shape}")
+        raise ValueError(f"out: shape {tuple(out.shape)}, expected {shape}")
     if out.device != device:
-        raise ValueError(f"{label}: on {out.device}, expected {device} like the inputs")
+        raise ValueError(f"out: on {out.device}, expected {device} like the inputs")
     return out
 
 
@@ -909,12 +841,10 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, schedule: str = "cooperative", cluster_n: int = 1,
-               epilogue_buffers: int = 2) -> torch.Tensor:
-    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n,
-                     epilogue_buffers)
+               scatter: Scatter | None = None, cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
+    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers)
     num_experts, k, rows, n, block_n, config = checked(key, lambda: _m_grouped_checks(
-        layout, a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n, epilogue_buffers))
+        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers))
     if out is None:
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
     if config is None:  # nothing to compute
@@ -930,14 +860,12 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     return out
 
 
-def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n,
-                      epilogue_buffers):
+def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers):
     """Every check of :func:`_m_grouped` that its key settles; ``(E, K, rows, N, block_n, config)``,
     config None when there is nothing to compute."""
-    _check_schedule(schedule)
     _check_epilogue_buffers(epilogue_buffers)
     _check_gather(gather)
-    _check_cluster(cluster_n, gather=gather, paired_n=paired_n, schedule=schedule)
+    _check_cluster(cluster_n, gather=gather, paired_n=paired_n)
     if scatter is not None and paired_n:
         raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
     num_experts = _check_inputs(a, b, 3, starts, ends)
@@ -957,15 +885,15 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
         _check_multiple("K", k, _BLOCK_K, "an [E, K, N] weight is read in K blocks that must not cross experts")
     if paired_n:
         _check_multiple("N", n, 256, "paired N tiling pairs columns j and N/2 + j in 256-wide tiles")
-    block_n = select_tile(n, schedule=schedule, divides=paired_n).block_n
+    block_n = select_tile(n, divides=paired_n).block_n
     if rows == 0 or num_experts == 0 or n == 0:
         return num_experts, k, rows, n, block_n, None
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
-                           gather_a=gather.mode if gather is not None else None, schedule=schedule,
-                           cluster_n=cluster_n, epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule),
+                           gather_a=gather.mode if gather is not None else None, cluster_n=cluster_n,
+                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n),
                            await_rows=_await_of(gather) is not None)
     return num_experts, k, rows, n, block_n, config
 
@@ -973,32 +901,28 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      schedule: str = "cooperative", cluster_n: int = 1,
-                                      epilogue_buffers: int = 2) -> torch.Tensor:
+                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
     starts/ends [E] int32 on the device. ``paired_n`` computes the same output through tiles that
-    hold columns j and N/2 + j together (the tiling a SwiGLU epilogue needs; N % 256 == 0).
+    hold columns j and N/2 + j together (N % 256 == 0).
     ``gather``: a is x [T, K] and the GEMM reads pool row r from ``x[row_to_slot[r] // top_k]``
     (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter has weights); see
-    Scatter. ``schedule``: the consumer schedule (SCHEDULES), same bits under each. ``cluster_n``: CTAs
-    per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks by multicast, without
-    gather, paired_n or the ping-pong schedule), same bits under each. ``epilogue_buffers``: staging
+    Scatter. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks
+    by multicast, without gather or paired_n), same bits under each. ``epilogue_buffers``: staging
     buffers per consumer warpgroup of the store / combine epilogue (EPILOGUE_BUFFERS); 4 stages a whole
-    64 x 256 slice of a 256-wide cooperative tile (3 smem stages instead of 4), same bits as 2; a
-    128-wide tile (N it pads less, the ping-pong schedule) runs the default kernel, since its two
-    buffers already hold the whole slice.
+    64 x 256 slice of a 256-wide tile (3 smem stages instead of 4), same bits as 2; a 128-wide tile (N
+    it pads less) runs the default kernel, since its two buffers already hold the whole slice.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, schedule, cluster_n,
-                      epilogue_buffers)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather: Gather | None = None,
-                                      scatter: Scatter | None = None, schedule: str = "cooperative",
-                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
+                                      scatter: Scatter | None = None, cluster_n: int = 1,
+                                      epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
@@ -1006,13 +930,13 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for combine_slots).
     ``cluster_n``, ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, schedule, cluster_n, epilogue_buffers)
+    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, cluster_n, epilogue_buffers)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, gather_a: Gather | None = None,
-                                      gather_b: Gather | None = None, schedule: str = "cooperative",
-                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
+                                      gather_b: Gather | None = None, cluster_n: int = 1,
+                                      epilogue_buffers: int = 2) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x for dW1 [E, 2I, H]), M a multiple of 128. Experts
@@ -1021,9 +945,9 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     cluster (CLUSTER_SIZES; 2 pairs adjacent M blocks of one expert, sharing B, without gathers).
     ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    key = checks_key("k", a, b, starts, ends, out, gather_a, gather_b, schedule, cluster_n, epilogue_buffers)
+    key = checks_key("k", a, b, starts, ends, out, gather_a, gather_b, cluster_n, epilogue_buffers)
     num_experts, rows, m, n, block_n, config = checked(key, lambda: _k_grouped_checks(
-        a, b, starts, ends, out, gather_a, gather_b, schedule, cluster_n, epilogue_buffers))
+        a, b, starts, ends, out, gather_a, gather_b, cluster_n, epilogue_buffers))
     if out is None:
         out = torch.empty((num_experts, m, n), dtype=torch.bfloat16, device=a.device)
     if num_experts == 0 or m == 0 or n == 0:
@@ -1041,10 +965,9 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     return out
 
 
-def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, schedule, cluster_n, epilogue_buffers):
+def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, cluster_n, epilogue_buffers):
     """Every check of :func:`k_grouped_bf16_gemm_tn_contiguous` that its key settles;
     ``(E, rows, M, N, block_n, config)``, config None when there is nothing to compute."""
-    _check_schedule(schedule)
     _check_epilogue_buffers(epilogue_buffers)
     if gather_a is not None and gather_b is not None:
         raise ValueError("gather_a and gather_b: expected at most one gathered operand")
@@ -1052,7 +975,7 @@ def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, schedule, clu
     _check_gather(gather)
     if _await_of(gather) is not None:
         raise ValueError("gather.await_rows: only the L1 forward (an 'nt' M-grouped GEMM) waits for arriving rows")
-    _check_cluster(cluster_n, gather=gather, schedule=schedule)
+    _check_cluster(cluster_n, gather=gather)
     num_experts = _check_inputs(a, b, 2, starts, ends)
     if gather_a is not None:
         rows = _pool_rows(gather_a, a)
@@ -1073,141 +996,8 @@ def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, schedule, clu
     _check_multiple("N", n, 8, "16-byte rows for TMA")
     if num_experts == 0 or m == 0 or n == 0 or rows == 0:
         return num_experts, rows, m, n, 0, None
-    block_n = select_tile(n, schedule=schedule).block_n
+    block_n = select_tile(n).block_n
     config = cached_config("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
-                           gather_b=gather_b is not None, schedule=schedule, cluster_n=cluster_n,
-                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n, schedule))
+                           gather_b=gather_b is not None, cluster_n=cluster_n,
+                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n))
     return num_experts, rows, m, n, block_n, config
-
-
-# -- SwiGLU epilogues -------------------------------------------------------------------------------------
-
-#: The paired-N tile of the forward epilogue is 256 wide (128 gate + 128 up columns); the backward
-#: epilogue's tiles (256, else 128 wide) must not straddle I either.
-SWIGLU_INTERMEDIATE_ALIGNMENT = 128
-
-
-def swiglu_epilogue_supported(intermediate: int) -> bool:
-    """Whether both SwiGLU epilogues take this I (the L1 output is [g | u] with 2I columns)."""
-    return intermediate > 0 and intermediate % SWIGLU_INTERMEDIATE_ALIGNMENT == 0
-
-
-def m_grouped_bf16_gemm_nt_swiglu(x_pool: torch.Tensor, l1: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                  clamp: float | None = None, *, h_out: torch.Tensor | None = None,
-                                  act_out: torch.Tensor | None = None,
-                                  gather: Gather | None = None,
-                                  schedule: str = "cooperative") -> tuple[torch.Tensor, torch.Tensor]:
-    """L1 forward with the SwiGLU in the epilogue: ``(h [P, 2I], act [P, I])``, both bf16.
-
-    x_pool [P, H] bf16, l1 [E, 2I, H] bf16 (rows [0, I) gate, [I, 2I) up), I a multiple of 128.
-    ``h[r] = bf16(x_pool[r] @ l1[e].T)`` (bit-identical to ``m_grouped_bf16_gemm_nt_contiguous(...,
-    paired_n=True)``: same tiles, same fp32 accumulation, round to nearest even);
-    ``act = bf16(silu(min(g, c)) * clamp(u, -c, c))`` in fp32 from the bf16-rounded g, u of h, with
-    swiglu_forward's expression (so it equals ``swiglu_forward(h, clamp)`` of the JIT kernels bit for
-    bit). Rows no expert owns are left unwritten. ``gather``: x_pool is x [T, H], gathered by the GEMM
-    (see m_grouped_bf16_gemm_nt_contiguous).
-    """
-    _check_schedule(schedule)
-    _check_gather(gather)
-    num_experts = _check_inputs(x_pool, l1, 3, starts, ends, names=("x_pool", "l1"))
-    c = _check_clamp(clamp)
-    hidden = x_pool.shape[1]
-    rows = _pool_rows(gather, x_pool)
-    experts_b, two_inter, hidden_b = l1.shape
-    _check_expert_weight("l1", l1, experts_b, hidden_b, num_experts, hidden, "H", "x_pool", x_pool)
-    inter = two_inter // 2
-    if two_inter % 2 or not swiglu_epilogue_supported(inter):
-        raise ValueError(f"l1: shape {tuple(l1.shape)}: 2I={two_inter}, expected a positive multiple of "
-                         f"{2 * SWIGLU_INTERMEDIATE_ALIGNMENT} (a paired tile holds 128 gate and 128 up columns)")
-    _check_multiple("H", hidden, 8, "16-byte rows for TMA")
-    h = _check_out(h_out, (rows, two_inter), x_pool.device, label="h_out")
-    act = _check_out(act_out, (rows, inter), x_pool.device, label="act_out")
-    if rows == 0 or num_experts == 0:
-        return h, act
-    if hidden == 0:
-        raise ValueError(f"x_pool: shape {tuple(x_pool.shape)}: H=0, expected a non-empty contraction")
-    _check_await_source(gather, x_pool)
-    x_pool = _gather_operand("x_pool", x_pool, gather)
-    config = GemmConfig("nt", select_tile(two_inter, schedule=schedule, divides=True).block_n, paired_n=True,
-                        epilogue="swiglu_fwd", clamp=clamp is not None,
-                        gather_a=gather.mode if gather is not None else None, schedule=schedule,
-                        await_rows=_await_of(gather) is not None)
-    with jit.device_guard(x_pool):
-        b_map = jit.make_tma_2d(l1, 64, 64, rows=num_experts * two_inter, cols=hidden)
-        epi_args = dict(tma_h=jit.make_tma_2d(h, 64, 64), tma_act=jit.make_tma_2d(act, 64, 64), clamp=c)
-        _launch(config, x_pool, b_map, epi_args, starts, ends, rows, two_inter, hidden,
-                -(-rows // _BLOCK_M) * (two_inter // config.block_n), gather)
-    return h, act
-
-
-def m_grouped_bf16_gemm_nn_swiglu_bwd(dy_pool: torch.Tensor, l2: torch.Tensor, h: torch.Tensor,
-                                      row_weight: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      clamp: float | None = None, *, block_n: int | None = None,
-                                      dh_out: torch.Tensor | None = None, act_w_out: torch.Tensor | None = None,
-                                      d_row_weight_out: torch.Tensor | None = None, gather: Gather | None = None,
-                                      schedule: str = "cooperative") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """L2 dgrad with the SwiGLU backward in the epilogue: ``(dh [P, 2I] bf16, d_row_weight [P] fp32,
-    act_w [P, I] bf16)``.
-
-    dy_pool [P, H] bf16 (H a multiple of 64), l2 [E, H, I] bf16, h [P, 2I] bf16 (the L1 output [g | u]),
-    row_weight [P] fp32 (the top-k weight of each pool row, 0 on padding rows). Per pool row r of
-    expert e, with ``da' = dy_pool[r] @ l2[e]`` kept in fp32 (never rounded to bf16) and act
-    recomputed in fp32 from h exactly as swiglu_backward does:
-    ``dh = bf16(SwiGLU backward of w * da')`` (clamp masks as in elementwise.swiglu_backward),
-    ``act_w = bf16(w * act)``, ``d_row_weight = <da', act>`` summed in fp32 in a fixed order
-    (deterministic: per-tile partials, then the tiles in column order). dh and act_w rows no expert
-    owns are left unwritten; their d_row_weight is 0. ``block_n`` (128 or 256, default 256 where I
-    allows) is the GEMM's N tile. ``gather`` (mode "cp_async"): dy_pool is dy [T, H], gathered by
-    the GEMM.
-    """
-    _check_schedule(schedule)
-    _check_gather(gather)
-    if _await_of(gather) is not None:
-        raise ValueError("gather.await_rows: only the L1 forward (an 'nt' M-grouped GEMM) waits for arriving rows")
-    num_experts = _check_inputs(dy_pool, l2, 3, starts, ends, names=("dy_pool", "l2"),
-                                extra=(("h", h, 2, torch.bfloat16), ("row_weight", row_weight, 1, torch.float32)))
-    c = _check_clamp(clamp)
-    hidden = dy_pool.shape[1]
-    rows = _pool_rows(gather, dy_pool)
-    experts_b, hidden_b, inter = l2.shape
-    _check_expert_weight("l2", l2, experts_b, hidden_b, num_experts, hidden, "H", "dy_pool", dy_pool)
-    if tuple(h.shape) != (rows, 2 * inter):
-        raise ValueError(f"h: shape {tuple(h.shape)}, expected ({rows}, {2 * inter}) for {rows} pool rows and "
-                         f"I={inter}")
-    if tuple(row_weight.shape) != (rows,):
-        raise ValueError(f"row_weight: shape {tuple(row_weight.shape)}, expected ({rows},)")
-    if not swiglu_epilogue_supported(inter):
-        raise ValueError(f"l2: shape {tuple(l2.shape)}: I={inter}, expected a positive multiple of "
-                         f"{SWIGLU_INTERMEDIATE_ALIGNMENT} (N tiles of 128 or 256 columns must not straddle I)")
-    _check_multiple("H", hidden, _BLOCK_K, "an [E, H, I] weight is read in K blocks that must not cross experts")
-    if block_n is None:
-        block_n = select_tile(inter, schedule=schedule, divides=True).block_n
-    elif block_n not in _STAGES or inter % block_n:
-        raise ValueError(f"block_n={block_n!r}: expected 128 or 256 dividing I={inter}")
-    device = dy_pool.device
-    dh = _check_out(dh_out, (rows, 2 * inter), device, label="dh_out")
-    act_w = _check_out(act_w_out, (rows, inter), device, label="act_w_out")
-    d_row_weight = _check_out(d_row_weight_out, (rows,), device, label="d_row_weight_out", dtype=torch.float32)
-    if rows == 0:
-        return dh, d_row_weight, act_w
-    if num_experts == 0:
-        return dh, d_row_weight.zero_(), act_w
-    if hidden == 0:
-        raise ValueError(f"dy_pool: shape {tuple(dy_pool.shape)}: H=0, expected a non-empty contraction")
-    num_parts = inter // block_n
-    partials = torch.empty(rows, num_parts, dtype=torch.float32, device=device)
-    dy_pool = _gather_operand("dy_pool", dy_pool, gather, cp_async_only=True)
-    config = GemmConfig("nn", block_n, epilogue="swiglu_bwd", clamp=clamp is not None,
-                        gather_a="cp_async" if gather is not None else None, schedule=schedule)
-    with jit.device_guard(dy_pool):
-        b_map = jit.make_tma_2d(l2, 64, 64, rows=num_experts * hidden, cols=inter)
-        epi_args = dict(tma_dh=jit.make_tma_2d(dh, 64, 64), tma_act_w=jit.make_tma_2d(act_w, 64, 64), h=h,
-                        row_weight=row_weight, partials=partials, clamp=c, inter=inter)
-        _launch(config, dy_pool, b_map, epi_args, starts, ends, rows, inter, hidden,
-                -(-rows // _BLOCK_M) * num_parts, gather)
-        grid = (max(1, min(-(-rows // _ROW_WEIGHT_GRAD_THREADS), 8 * jit.num_sms(device))), 1, 1)
-        jit.build(*_ROW_WEIGHT_GRAD).launch(
-            grid, (_ROW_WEIGHT_GRAD_THREADS, 1, 1),
-            jit.pack_args(_ROW_WEIGHT_GRAD[0], _ROW_WEIGHT_GRAD_ARGS, partials=partials, starts=starts, ends=ends,
-                          num_experts=num_experts, num_rows=rows, num_parts=num_parts, d_row_weight=d_row_weight))
-    return dh, d_row_weight, act_w

@@ -15,8 +15,8 @@ the same sums in fp32 torch (the accuracy reference). Sizes need not be multiple
 last k-block or N block reads zeros past the end (TMA's out-of-bounds fill), which is the
 emulation's zero padding.
 
-Only the cooperative 128 x 128 tile exists for fp8 (the second, per-k-block accumulator set
-doubles the consumer's registers); ``DGE_GEMM_SCHEDULE`` does not apply. The mainloop has two
+The fp8 tiles are 128 x 128 and 128 x 192 (FP8_BLOCK_NS: the second, per-k-block accumulator set
+doubles the consumer's registers). The mainloop has two
 schedules of the same arithmetic (``mainloop=``, MAINLOOP_SCHEDULES): "serial" (the default) waits
 for each k-block's wgmmas before promoting them, "overlap" keeps the next k-block's wgmmas in
 flight during the promotion (a third 64-register accumulator set per thread).

@@ -5,7 +5,7 @@
     "loop"        one matmul per expert in fp32 / fp64: the CPU reference path
     "deep_gemm"   upstream DeepGEMM's grouped GEMMs (bf16, fp8), when it is installed
 """
-from .base import Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward
+from .base import Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots
 from .deepgemm import DeepGemmProvider
 from .sm90 import Sm90Provider
 from .torch_ops import GroupedMmProvider, LoopProvider
@@ -17,5 +17,4 @@ PROVIDERS: dict[str, GemmProvider] = {
     "deep_gemm": DeepGemmProvider(),
 }
 
-__all__ = ["PROVIDERS", "Fp8Cols", "Fp8Rows", "GemmProvider", "Gather", "ScatterSlots", "SwigluBackward",
-           "SwigluForward"]
+__all__ = ["PROVIDERS", "Fp8Cols", "Fp8Rows", "GemmProvider", "Gather", "ScatterSlots"]

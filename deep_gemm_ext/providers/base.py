@@ -15,8 +15,7 @@ and each may carry, where ``supports`` says so:
 - a gathered operand (:class:`Gather`): ``a`` (or ``b``) is a token matrix [T, C] and pool row r reads
   its row ``row_to_slot[r] // top_k`` (zeros for padding rows), so no pool is built;
 - an epilogue other than the plain store: :class:`ScatterSlots` (rows into top-k slot order, for the
-  combine), :class:`SwigluForward` (h and act from the L1 GEMM), :class:`SwigluBackward` (dh,
-  <da', act> and w * act from the L2 data gradient).
+  combine).
 """
 from __future__ import annotations
 
@@ -68,20 +67,6 @@ class ScatterSlots:
     weights: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class SwigluForward:
-    """The L1 forward's epilogue: returns ``(h, act)`` with ``act = SwiGLU(h)`` (clamped by ``clamp``)."""
-    clamp: float | None = None
-
-
-@dataclass(frozen=True)
-class SwigluBackward:
-    """The L2 data gradient's epilogue: from ``da' = a @ w[e]`` returns ``(dh, <da', act>, w * act)``."""
-    h: torch.Tensor
-    row_weight: torch.Tensor
-    clamp: float | None = None
-
-
 class GemmProvider:
     """Grouped GEMMs of one library. Subclasses set the class attributes and implement the two GEMMs."""
 
@@ -100,17 +85,12 @@ class GemmProvider:
     #: gathered operand costs no more than a pool.
     fp8_quantizers_gather: bool = False
 
-    def configured(self, *, gemm_schedule: str) -> "GemmProvider":
-        """This provider with the plan's launch settings (only the SM90 kernels have any)."""
-        return self
-
     def compute_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
         """dtype of the pool, h and the GEMMs for inputs of ``x_dtype``."""
         return torch.bfloat16
 
-    def supports(self, recipe, epilogue: type, facts) -> bool:
-        """The M-grouped GEMM runs ``epilogue`` (a class above) under ``recipe`` for a layer of these
-        sizes (``facts``: deep_gemm_ext.plan.ShapeFacts)."""
+    def supports(self, recipe, epilogue: type) -> bool:
+        """The M-grouped GEMM runs ``epilogue`` (a class above) under ``recipe``."""
         return False
 
     def m_grouped(self, a: torch.Tensor, w, meta: RoutingMeta, layout: str, *, recipe, gather: Gather | None = None,

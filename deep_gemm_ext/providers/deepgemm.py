@@ -193,7 +193,7 @@ class DeepGemmProvider(GemmProvider):
     require = staticmethod(require)
     unsupported_shape_reason = staticmethod(unsupported_shape_reason)
 
-    def supports(self, recipe, epilogue, facts):
+    def supports(self, recipe, epilogue):
         return False
 
     def m_grouped(self, a, w, meta: RoutingMeta, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):

@@ -8,14 +8,11 @@ tokens and transposed: dh and act_w by the SwiGLU backward kernel that also quan
 (:class:`Fp8Cols` operands), x and dy by one kernel each straight from the token rows."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import elementwise
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
-from .base import (Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots, SwigluBackward, SwigluForward,
-                   fp8_cols_rows)
+from .base import Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots, fp8_cols_rows
 
 try:
     from .. import jit_kernels as _kernels
@@ -53,8 +50,6 @@ def _gather(g: Gather | None, src):
 
 
 class Sm90Provider(GemmProvider):
-    """``schedule``: the consumer schedule of every GEMM launch (jit_kernels' SCHEDULES)."""
-
     row_alignment = TOKEN_GROUP_ALIGNMENT
     recipes = ("bf16", "fp8")
     gathers = True
@@ -62,40 +57,22 @@ class Sm90Provider(GemmProvider):
     takes_fp8_cols = True
     fp8_quantizers_gather = True
 
-    def __init__(self, schedule: str = "cooperative"):
-        self.schedule = schedule
-
-    def configured(self, *, gemm_schedule: str) -> "Sm90Provider":
-        return self if gemm_schedule == self.schedule else _configured(gemm_schedule)
-
-    def supports(self, recipe, epilogue, facts):
-        if recipe.fp8:
-            return epilogue is ScatterSlots
-        if epilogue in (SwigluForward, SwigluBackward):
-            return facts.swiglu_epilogue
-        return True
+    def supports(self, recipe, epilogue):
+        return epilogue is ScatterSlots
 
     def m_grouped(self, a, w, meta: RoutingMeta, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):
         if recipe.fp8:
             return self._m_grouped_fp8(a, w, meta, layout, gather, epilogue, zero_unowned)
         k = _kernels
         g, a = _gather(gather, a)
-        if isinstance(epilogue, SwigluForward):
-            # h is an output of the layer: rows no expert owns are zero rather than stale memory.
-            h_out = k.zero_rows_past(a.new_empty(meta.num_pool_rows, w.shape[1]), meta.ends)
-            return k.m_grouped_bf16_gemm_nt_swiglu(a, w, meta.starts, meta.ends, epilogue.clamp, h_out=h_out, gather=g,
-                                                   schedule=self.schedule)
-        if isinstance(epilogue, SwigluBackward):
-            return k.m_grouped_bf16_gemm_nn_swiglu_bwd(a, w, epilogue.h, epilogue.row_weight, meta.starts, meta.ends,
-                                                       epilogue.clamp, gather=g, schedule=self.schedule)
         gemm = k.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else k.m_grouped_bf16_gemm_nn_contiguous
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
-            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g, schedule=self.schedule)
+            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g)
         if zero_unowned:
             out = a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2])
-            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out, gather=g, schedule=self.schedule), meta)
-        return gemm(a, w, meta.starts, meta.ends, gather=g, schedule=self.schedule)
+            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out, gather=g), meta)
+        return gemm(a, w, meta.starts, meta.ends, gather=g)
 
     def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
         k = _kernels
@@ -134,8 +111,7 @@ class Sm90Provider(GemmProvider):
             return k.k_grouped_fp8_gemm_nt_contiguous(at_q, sa, bt_q, sb, meta.starts, meta.ends)
         ga, a = _gather(gather_a, a)
         gb, b = _gather(gather_b, b)
-        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb,
-                                                          schedule=self.schedule)
+        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb)
 
 
 def _fp8_cols(label: str, operand, gather: Gather | None, rows: int):
@@ -157,8 +133,3 @@ def _unowned_zeroed(out: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
     a kernel that reads where they start on the device, not a fill of the whole tensor. Launched after
     the GEMM (the rows are disjoint from the GEMM's), so the GEMM, which the GPU waits for, goes first."""
     return _kernels.zero_rows_past(out, meta.ends)
-
-
-@functools.lru_cache(maxsize=None)
-def _configured(schedule: str) -> Sm90Provider:
-    return Sm90Provider(schedule)

@@ -18,7 +18,7 @@ class GroupedMmProvider(GemmProvider):
     row_alignment = 16
     recipes = ("bf16", "fp8")
 
-    def supports(self, recipe, epilogue, facts):
+    def supports(self, recipe, epilogue):
         return False
 
     def m_grouped(self, a, w, meta: RoutingMeta, layout, *, recipe, gather=None, epilogue=None, zero_unowned=False):

@@ -10,16 +10,13 @@
 // smem ring in tile order through the Loader policy (loader/sm90_gemm_loaders.cuh: TMA, gathered
 // TMA rows or a cp.async gather); warpgroups 0 and 1 are consumers, running the Mainloop policy
 // (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32 registers) and handing the
-// accumulators of each 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
-// TMA stores, slot scatter, SwiGLU). The operand element type is the traits' (kElement): bf16 with
-// MainloopBF16, or blockwise-scaled e4m3 with MainloopFP8 (mma/sm90_mainloop_fp8.cuh: e4m3 wgmma
-// m64n128k32, the partial sum of each 128-wide k-block promoted into the fp32 accumulators with
-// its scales); the loaders, scheduler and epilogues are shared. Schedules (GemmTraits::kSchedule):
-// cooperative, both consumers on every 128 x BLOCK_N tile with 64 rows each; ping-pong, each
-// consumer on alternate tiles with all 128 rows, the two mainloops taking turns (named barriers 3,
-// 4) so that one warpgroup's epilogue runs under the other's mainloop. Each output element is the
-// same fp32 sum in the same K order under both. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the
-// tile order is the scheduler's (scheduler/sm90_grouped.cuh).
+// accumulators of its 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
+// TMA stores, slot scatter). Both consumers work on every 128 x BLOCK_N tile, 64 rows each. The
+// operand element type is the traits' (kElement): bf16 with MainloopBF16, or blockwise-scaled e4m3
+// with MainloopFP8 (mma/sm90_mainloop_fp8.cuh: e4m3 wgmma m64n128k32, the partial sum of each
+// 128-wide k-block promoted into the fp32 accumulators with its scales); the loaders, scheduler and
+// epilogues are shared. The problem itself is GemmTraits (layout/sm90_gemm.cuh); the tile order is
+// the scheduler's (scheduler/sm90_grouped.cuh).
 //
 // Clusters (GemmTraits::kClusterN = 2 CTAs per cluster, launched with a cluster dimension of 2):
 // the two CTAs take adjacent M blocks of one N block and multicast the shared B tile, each loading
@@ -127,7 +124,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     // runs it in the producer warpgroup's second warp, which the TMA loaders leave idle.
     static_assert(MMA::kProducerArrivals == 0 || Load::kCopyArrivals == 0,
                   "a mainloop's producer warp needs a loader that runs in the producer's first warp only");
-    using Pipeline = sm90::TmaPipeline<Traits::kNumStages, Traits::kNumConsumerWarpsPerStage, Traits::kClusterN,
+    using Pipeline = sm90::TmaPipeline<Traits::kNumStages, kNumConsumerWarpgroups * 4, Traits::kClusterN,
                                        Load::kCopyArrivals + MMA::kProducerArrivals>;
     using Scheduler =
         sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN,
@@ -217,7 +214,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
             }
         }
     } else {
-        // Consumer warpgroups: the mainloop on the warpgroup's slices of a tile, then the epilogue.
+        // Consumer warpgroups: the mainloop on the warpgroup's slice of a tile, then the epilogue.
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
@@ -230,27 +227,21 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                                                    extra_args...);
         sm90::PipelineState<Traits::kNumStages> st;
         sched::GroupedTile tile;
-        constexpr uint32_t kSlices = Traits::kSlicesPerWarpgroup;
-        // `wait_turn` / `pass_turn`: the ping-pong order of the two warpgroups' mainloops.
         // `during`: work the mainloop runs once while the tile's first k-block is in the tensor cores
         // (the next tile's scheduling; mainloop contract in mma/sm90_mainloop.cuh).
-        auto consume = [&](const sched::GroupedTile& t, uint32_t first_slice, bool wait_turn, bool pass_turn,
-                           const auto& during) {
+        auto consume = [&](const sched::GroupedTile& t, const auto& during) {
             // Zeroed rather than scale-d = 0 on the first wgmma: one definition of the accumulators
             // per tile keeps them in place across the loop, and empty K ranges store zeros.
-            float acc[kSlices][MMA::kNumAccum];
+            float acc[MMA::kNumAccum];
 #pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-                for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
-                    acc[s][i] = 0.0f;
-            }
-            auto epi_tile = [&](uint32_t s) {
+            for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                acc[i] = 0.0f;
+            auto epi_tile = [&]() {
                 const uint32_t tile_row = Traits::kType == GroupedGemmType::MGroupedContiguous
                                               ? t.m_block * BLOCK_M
                                               : t.expert * shape_m + t.m_block * BLOCK_M;
                 return EpilogueTile<Traits::BLOCK_N, Traits::kPairedN>{
-                    Columns(t.n_block, shape_n), tile_row + (first_slice + s) * 64, t.m_block, t.n_block, t.expert};
+                    Columns(t.n_block, shape_n), tile_row + warpgroup * 64, t.m_block, t.n_block, t.expert};
             };
             // The epilogue's own arguments: the kernel's extra arguments after the leading ones.
             auto with_epilogue_args = [&](const auto& f) {
@@ -260,19 +251,10 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                     DropArgs<kLeadingArgs>::apply(f, extra_args...);
             };
             using Prefetch = PrefetchOf<Epilogue>;
-            typename Prefetch::Type prefetched[kSlices];
-            if constexpr (Prefetch::kEnabled) {
-#pragma unroll
-                for (uint32_t s = 0; s < kSlices; ++s)
-                    with_epilogue_args(
-                        [&](const auto&... rest) { prefetched[s] = epilogue.prefetch(epi_tile(s), rest...); });
-            }
-            if (wait_turn)
-                ptx::named_barrier_sync(kMainloopTurnBarrierBase + warpgroup, 256);
-            const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, first_slice, lane, during);
-            // The last wgmmas are issued: the other warpgroup's mainloop may start.
-            if (pass_turn)
-                ptx::named_barrier_arrive(kMainloopTurnBarrierBase + (warpgroup ^ 1), 256);
+            typename Prefetch::Type prefetched;
+            if constexpr (Prefetch::kEnabled)
+                with_epilogue_args([&](const auto&... rest) { prefetched = epilogue.prefetch(epi_tile(), rest...); });
+            const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane, during);
             MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
 
             // A duplicate of the cluster partner's tile (scheduler): run for the barriers, not stored.
@@ -280,61 +262,39 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 if (!t.store)
                     return;
             }
-#pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-                if constexpr (Prefetch::kEnabled)
-                    with_epilogue_args([&](const auto&... rest) { epilogue(acc[s], epi_tile(s), prefetched[s], rest...); });
-                else
-                    with_epilogue_args([&](const auto&... rest) { epilogue(acc[s], epi_tile(s), rest...); });
-            }
+            if constexpr (Prefetch::kEnabled)
+                with_epilogue_args([&](const auto&... rest) { epilogue(acc, epi_tile(), prefetched, rest...); });
+            else
+                with_epilogue_args([&](const auto&... rest) { epilogue(acc, epi_tile(), rest...); });
         };
-        if constexpr (!Traits::kPingpong) {
-            // The next tile is found while this one's first k-block runs, not between the two tiles with
-            // the tensor cores idle (the search and the index arithmetic were ~14% of a consumer's time
-            // at K = 768, ncu). A tile with no k-blocks runs no wgmma: its successor is found after it.
-            // Not in the fp8 kernels where the search, inlined beside two accumulator sets in flight,
-            // made ptxas spill: clusters of 2, and a whole tile unrolled per start stage (K compiled in,
-            // the ring not dividing its k-blocks) past 6 k-blocks (7 to 15 of them spilled 272-1276
-            // bytes with the store epilogue). The K-grouped fp8 GEMM takes it since its column scales
-            // are staged in shared memory (they had been 32 more registers across the loop).
-            constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
-            constexpr bool kLookahead =
-                !(Traits::kElement == ElementType::E4M3 &&
-                  (kClusterN > 1 || (kUnrolledTile && Traits::kNumKBlocks > 6)));
-            if constexpr (kLookahead) {
-                bool have = scheduler.next(tile);
-                while (have) {
-                    sched::GroupedTile next;
-                    bool have_next = false, found = false;
-                    consume(tile, warpgroup, false, false, [&]() {
-                        have_next = scheduler.next(next);
-                        found = true;
-                    });
-                    if (!found)
-                        have_next = scheduler.next(next);
-                    tile = next;
-                    have = have_next;
-                }
-            } else {
-                while (scheduler.next(tile))
-                    consume(tile, warpgroup, false, false, [] {});
-            }
-        } else {
-            // Warpgroup w takes the CTA's tiles i with i % 2 == w and skips the others' stages. Tile i
-            // waits for tile i - 1's mainloop to be issued; every turn passed is taken, so no
-            // arrival is left pending when the CTA exits. The order also keeps a warpgroup from
-            // waiting on a stage's full barrier while the stage still holds the other's k-block.
+        // The next tile is found while this one's first k-block runs, not between the two tiles with
+        // the tensor cores idle (the search and the index arithmetic were ~14% of a consumer's time
+        // at K = 768, ncu). A tile with no k-blocks runs no wgmma: its successor is found after it.
+        // Not in the fp8 kernels where the search, inlined beside two accumulator sets in flight,
+        // made ptxas spill: clusters of 2, and a whole tile unrolled per start stage (K compiled in,
+        // the ring not dividing its k-blocks) past 6 k-blocks (7 to 15 of them spilled 272-1276
+        // bytes with the store epilogue). The K-grouped fp8 GEMM takes it since its column scales
+        // are staged in shared memory (they had been 32 more registers across the loop).
+        constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
+        constexpr bool kLookahead =
+            !(Traits::kElement == ElementType::E4M3 && (kClusterN > 1 || (kUnrolledTile && Traits::kNumKBlocks > 6)));
+        if constexpr (kLookahead) {
             bool have = scheduler.next(tile);
-            for (uint32_t i = 0; have; ++i) {
+            while (have) {
                 sched::GroupedTile next;
-                const bool have_next = scheduler.next(next);
-                if (i % 2 == warpgroup)
-                    consume(tile, 0, i > 0, have_next, [] {});
-                else
-                    st.advance(tile.num_k_blocks);
+                bool have_next = false, found = false;
+                consume(tile, [&]() {
+                    have_next = scheduler.next(next);
+                    found = true;
+                });
+                if (!found)
+                    have_next = scheduler.next(next);
                 tile = next;
                 have = have_next;
             }
+        } else {
+            while (scheduler.next(tile))
+                consume(tile, [] {});
         }
         epilogue.finish();
     }

@@ -23,16 +23,8 @@ constexpr uint32_t kNumThreads = 128 * (kNumConsumerWarpgroups + 1);
 // setmaxnreg budgets: 128 * 40 + 256 * 232 fits the 64K-register file of one CTA per SM.
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
-// Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads), 3, 4 to
-// the ping-pong schedule's mainloop turns.
+// Named barrier ids 1, 2 belong to the consumer warpgroups' epilogues (0 is __syncthreads).
 constexpr uint32_t kEpilogueBarrierBase = 1;
-constexpr uint32_t kMainloopTurnBarrierBase = 3;
-
-// How the two consumer warpgroups share the work:
-//   Cooperative  both on every tile, warpgroup w on its rows [64 w, 64 w + 64);
-//   Pingpong     warpgroup w on the CTA's tiles w, w + 2, ..., all 128 rows (two 64-row slices),
-//                their mainloops taking turns so that one's epilogue overlaps the other's mainloop.
-enum class Schedule : uint32_t { Cooperative = 0, Pingpong = 1 };
 
 // Operand element type of the A and B stages:
 //   BF16  bf16 x bf16, k-blocks of 64 (MainloopBF16);
@@ -45,11 +37,12 @@ __host__ __device__ constexpr uint32_t constexpr_gcd(uint32_t a, uint32_t b) {
 
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
 // CTAs per cluster (kClusterN: 1, or 2 on adjacent M blocks sharing B by multicast), paired N
-// tiling (below), the scheduler's M-block group, the consumer
-// schedule, the operand element type, and K when it is compiled in (kShapeK, 0: a kernel argument).
+// tiling (below), the scheduler's M-block group, the operand element type, and K when it is
+// compiled in (kShapeK, 0: a kernel argument). Both consumer warpgroups work on every tile,
+// warpgroup w on its rows [64 w, 64 w + 64).
 template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
-          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, Schedule kSchedule_ = Schedule::Cooperative,
-          ElementType kElement_ = ElementType::BF16, uint32_t kShapeK_ = 0>
+          uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, ElementType kElement_ = ElementType::BF16,
+          uint32_t kShapeK_ = 0>
 struct GemmTraits {
     static constexpr GroupedGemmType kType = kType_;
     static constexpr Major kMajorA = kMajorA_;
@@ -59,7 +52,6 @@ struct GemmTraits {
     static constexpr uint32_t kClusterN = kClusterN_;
     static constexpr bool kPairedN = kPairedN_;
     static constexpr uint32_t kGroupM = kGroupM_;
-    static constexpr Schedule kSchedule = kSchedule_;
     static constexpr ElementType kElement = kElement_;
     // K elements per k-block (one stage): 128 bytes of each operand row.
     static constexpr uint32_t kBlockK = kElement == ElementType::BF16 ? BLOCK_K : 128;
@@ -75,10 +67,6 @@ struct GemmTraits {
     static constexpr uint32_t kRingStep = kShapeK > 0 ? constexpr_gcd(kNumKBlocks, kNumStages) : 1;
     static constexpr uint32_t kMaxUnrolledKBlocks = 16;
     static constexpr uint32_t kNumBChunks = BLOCK_N / 64;
-    static constexpr bool kPingpong = kSchedule == Schedule::Pingpong;
-    // 64-row slices of a tile per consumer warpgroup, and the consumer warps that read each stage.
-    static constexpr uint32_t kSlicesPerWarpgroup = kPingpong ? 2 : 1;
-    static constexpr uint32_t kNumConsumerWarpsPerStage = kPingpong ? 4 : kNumConsumerWarpgroups * 4;
 
     static_assert(kType != GroupedGemmType::MGroupedContiguous || kMajorA == Major::K,
                   "M-grouped GEMM: the pool A must be K-major");
@@ -98,24 +86,20 @@ struct GemmTraits {
     static_assert(BLOCK_N == 128 || BLOCK_N == 256 || (BLOCK_N == 192 && kElement == ElementType::E4M3),
                   "BLOCK_N must be 128 or 256 (e4m3: 128 or 192)");
     static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs");
-    // Two 64 x BLOCK_N fp32 accumulator slices must fit the consumer's 232 registers.
-    static_assert(!kPingpong || (BLOCK_N == 128 && kClusterN == 1),
-                  "the ping-pong schedule takes 128 x 128 tiles per warpgroup, without clusters");
     // fp8: wgmma reads e4m3 operands K-major only; the per-k-block partial sums double the
-    // accumulator registers, so one 64 x BLOCK_N slice per warpgroup (cooperative): BLOCK_N = 128, or
-    // 192 for the M-grouped GEMM (96 + 96 accumulators; the K-grouped one's per-column B scales would
-    // not fit beside them).
+    // accumulator registers: BLOCK_N = 128, or 192 for the M-grouped GEMM (96 + 96 accumulators; the
+    // K-grouped one's per-column B scales would not fit beside them).
     static_assert(kElement == ElementType::BF16 ||
-                      (kMajorA == Major::K && kMajorB == Major::K && !kPingpong && !kPairedN &&
+                      (kMajorA == Major::K && kMajorB == Major::K && !kPairedN &&
                        (BLOCK_N == 128 || (BLOCK_N == 192 && !kKGrouped))),
                   "e4m3 GEMMs: both operands K-major (M-grouped NT, or K-grouped on the transposed pools), "
-                  "cooperative 128 x 128 tiles (M-grouped also 128 x 192) without paired N");
+                  "128 x 128 tiles (M-grouped also 128 x 192) without paired N");
 };
 
 // Columns of the tile in the N space of B and of the output, in 64-wide chunks. With paired N
 // tiling, chunks [0, BLOCK_N/128) are columns [n0, n0 + BLOCK_N/2) of the first half of N and the
-// remaining chunks the same columns of the second half, so a SwiGLU epilogue finds the gate and
-// up values of one output column in the same thread (accumulator i and i + kNumAccum/2).
+// remaining chunks the same columns of the second half: columns j and N/2 + j (the gate and up
+// columns of the L1 output [g | u]) are in the same thread (accumulator i and i + kNumAccum/2).
 template <uint32_t BLOCK_N, bool kPairedN>
 struct TileColumns {
     static constexpr uint32_t kNumChunks = BLOCK_N / 64;

@@ -18,15 +18,15 @@
 //   template <class Pipe, class Scheduler> static void produce(const Pipe&, Scheduler&, const Params&,
 //       uint32_t lane);                      (kProducerArrivals > 0 only) fills its part of each stage
 //                                            for the scheduler's tiles, arriving on the full barriers
-//   template <uint32_t kSlices, class Pipe, class During> static uint32_t mma(float (&acc)[kSlices][kNumAccum],
+//   template <class Pipe, class During> static uint32_t mma(float (&acc)[kNumAccum],
 //       const Pipe&, PipelineState&, const GroupedTile&, const Params&, const StageLayout&,
-//       uint32_t first_slice, uint32_t lane, const During& during);
-//     adds the tile's num_k_blocks k-blocks for the 64-row slices first_slice .. first_slice +
-//     kSlices - 1 of the A stages into acc (zeroed by the caller), waiting on each stage's full
-//     barrier and freeing each stage once its wgmmas are done (the last one may stay held for
-//     finish), returns the last stage; calls during() once, after the first k-block's wgmmas are
-//     issued and before it waits for them (not at all when there are no k-blocks);
-//   template <uint32_t kSlices, class Pipe> static void finish(float (&acc)[kSlices][kNumAccum],
+//       uint32_t slice, uint32_t lane, const During& during);
+//     adds the tile's num_k_blocks k-blocks for the 64-row slice `slice` (the warpgroup's) of the A
+//     stages into acc (zeroed by the caller), waiting on each stage's full barrier and freeing each
+//     stage once its wgmmas are done (the last one may stay held for finish), returns the last
+//     stage; calls during() once, after the first k-block's wgmmas are issued and before it waits
+//     for them (not at all when there are no k-blocks);
+//   template <class Pipe> static void finish(float (&acc)[kNumAccum],
 //       const Pipe&, uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane);
 //     waits for wgmmas still in flight and frees the stage mma left held, if any.
 // MainloopBF16 is below; MainloopFP8 (blockwise-scaled e4m3, per-128-K promotion) is in
@@ -61,11 +61,11 @@ struct MainloopBF16 {
         __device__ Params(uint32_t, uint32_t, uint32_t, uint32_t, const Args&...) {}
     };
 
-    template <uint32_t kSlices, class Pipe, class During>
-    __device__ __forceinline__ static uint32_t mma(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe, class During>
+    __device__ __forceinline__ static uint32_t mma(float (&acc)[kNumAccum], const Pipe& pipe,
                                                    sm90::PipelineState<Traits::kNumStages>& st,
                                                    const sched::GroupedTile& tile, const Params&,
-                                                   const Stages& stages, uint32_t first_slice, uint32_t lane,
+                                                   const Stages& stages, uint32_t slice, uint32_t lane,
                                                    const During& during) {
         const uint32_t num_k_blocks = tile.num_k_blocks;
         uint32_t prev_stage = 0;
@@ -77,13 +77,9 @@ struct MainloopBF16 {
             ptx::wgmma_fence();
 #pragma unroll
             for (uint32_t k = 0; k < BLOCK_K / MMA::K; ++k) {
-#pragma unroll
-                for (uint32_t s = 0; s < kSlices; ++s) {
-                    const uint64_t desc_a =
-                        mma::tile_desc<Traits::kMajorA>(stages.a(st.stage), (first_slice + s) * 64, k);
-                    const uint64_t desc_b = mma::tile_desc<Traits::kMajorB>(stages.b(st.stage), 0, k);
-                    MMA::mma(acc[s], desc_a, desc_b, 1u);
-                }
+                const uint64_t desc_a = mma::tile_desc<Traits::kMajorA>(stages.a(st.stage), slice * 64, k);
+                const uint64_t desc_b = mma::tile_desc<Traits::kMajorB>(stages.b(st.stage), 0, k);
+                MMA::mma(acc, desc_a, desc_b, 1u);
             }
             ptx::wgmma_commit_group();
             mma::fence_accumulators(acc);
@@ -99,8 +95,8 @@ struct MainloopBF16 {
         return prev_stage;
     }
 
-    template <uint32_t kSlices, class Pipe>
-    __device__ __forceinline__ static void finish(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe>
+    __device__ __forceinline__ static void finish(float (&acc)[kNumAccum], const Pipe& pipe,
                                                   uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane) {
         ptx::wgmma_wait_group<0>();
         mma::fence_accumulators(acc);

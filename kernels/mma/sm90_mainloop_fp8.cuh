@@ -102,7 +102,7 @@ struct MainloopFP8 {
     // The overlap schedule reads the K-grouped scales late (file comment).
     static constexpr bool kLateScales = kKGrouped;
 
-    // The low descriptor words of stage 0's A slice (the warpgroup's first 64-row slice) and B tile,
+    // The low descriptor words of stage 0's A slice (the warpgroup's 64 rows) and B tile,
     // made once per tile; stage st's are these plus st times the stage's bytes / 16, a wgmma's K
     // offset adds its bytes / 16 (mma::k_major_desc_at), so the loop rebuilds no descriptor. Both
     // words are the same in every thread of a warp; taking them from lane 0 lets the compiler know
@@ -110,8 +110,8 @@ struct MainloopFP8 {
     struct DescBase {
         uint32_t a;
         uint32_t b;
-        __device__ __forceinline__ DescBase(const Stages& stages, uint32_t first_slice)
-            : a(__shfl_sync(0xffffffffu, mma::k_major_desc_lo(stages.a(0) + first_slice * 64 * mma::kSwizzleBytes), 0)),
+        __device__ __forceinline__ DescBase(const Stages& stages, uint32_t slice)
+            : a(__shfl_sync(0xffffffffu, mma::k_major_desc_lo(stages.a(0) + slice * 64 * mma::kSwizzleBytes), 0)),
               b(__shfl_sync(0xffffffffu, mma::k_major_desc_lo(stages.b(0)), 0)) {}
     };
 
@@ -146,16 +146,16 @@ struct MainloopFP8 {
               n_blocks((shape_n + kScaleBlock - 1) / kScaleBlock), last_col(shape_n > 0 ? shape_n - 1 : 0) {}
     };
 
-    template <uint32_t kSlices, class Pipe, class During>
-    __device__ __forceinline__ static uint32_t mma(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe, class During>
+    __device__ __forceinline__ static uint32_t mma(float (&acc)[kNumAccum], const Pipe& pipe,
                                                    sm90::PipelineState<Traits::kNumStages>& st,
                                                    const sched::GroupedTile& tile, const Params& params,
-                                                   const Stages& stages, uint32_t first_slice, uint32_t lane,
+                                                   const Stages& stages, uint32_t slice, uint32_t lane,
                                                    const During& during) {
         if constexpr (kOverlapPromotion)
-            return mma_overlap(acc, pipe, st, tile, params, stages, first_slice, lane, during);
+            return mma_overlap(acc, pipe, st, tile, params, stages, slice, lane, during);
         else
-            return mma_serial(acc, pipe, st, tile, params, stages, first_slice, lane, during);
+            return mma_serial(acc, pipe, st, tile, params, stages, slice, lane, during);
     }
 
     // The producer warpgroup's second warp: each stage's scales, for the same tiles in the same order
@@ -205,8 +205,8 @@ struct MainloopFP8 {
     }
 
     // mma waited for every wgmma and freed every stage (both schedules).
-    template <uint32_t kSlices, class Pipe>
-    __device__ __forceinline__ static void finish(float (&)[kSlices][kNumAccum], const Pipe&, uint32_t, uint32_t,
+    template <class Pipe>
+    __device__ __forceinline__ static void finish(float (&)[kNumAccum], const Pipe&, uint32_t, uint32_t,
                                                   uint32_t) {}
 
 private:
@@ -214,39 +214,36 @@ private:
     // two places where the tile's columns cross into the second weight block (kSplit: 8-column groups
     // of the fragment in the first block; n0 % 128 is 0 or 64), chosen once per tile, so the
     // promotion applies each group's scale without a select.
-    template <uint32_t kSlices, class Pipe, class During>
-    __device__ __forceinline__ static uint32_t mma_serial(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe, class During>
+    __device__ __forceinline__ static uint32_t mma_serial(float (&acc)[kNumAccum], const Pipe& pipe,
                                                           sm90::PipelineState<Traits::kNumStages>& st,
                                                           const sched::GroupedTile& tile, const Params& params,
-                                                          const Stages& stages, uint32_t first_slice,
+                                                          const Stages& stages, uint32_t slice,
                                                           uint32_t lane, const During& during) {
         if constexpr (kTwoBlocksB) {
             if (tile.n_block * Traits::BLOCK_N % kScaleBlock == 0)
-                return serial_loop<kScaleBlock / 8>(acc, pipe, st, tile, params, stages, first_slice, lane, during);
+                return serial_loop<kScaleBlock / 8>(acc, pipe, st, tile, params, stages, slice, lane, during);
             else
-                return serial_loop<kScaleBlock / 16>(acc, pipe, st, tile, params, stages, first_slice, lane, during);
+                return serial_loop<kScaleBlock / 16>(acc, pipe, st, tile, params, stages, slice, lane, during);
         } else {
-            return serial_loop<0>(acc, pipe, st, tile, params, stages, first_slice, lane, during);
+            return serial_loop<0>(acc, pipe, st, tile, params, stages, slice, lane, during);
         }
     }
 
-    template <uint32_t kSplit, uint32_t kSlices, class Pipe, class During>
-    __device__ __forceinline__ static uint32_t serial_loop(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+    template <uint32_t kSplit, class Pipe, class During>
+    __device__ __forceinline__ static uint32_t serial_loop(float (&acc)[kNumAccum], const Pipe& pipe,
                                                            sm90::PipelineState<Traits::kNumStages>& st,
                                                            const sched::GroupedTile& tile, const Params& params,
-                                                           const Stages& stages, uint32_t first_slice,
+                                                           const Stages& stages, uint32_t slice,
                                                            uint32_t lane, const During& during) {
-        const StagedScales scales = staged_scales(params, first_slice, lane);
-        const DescBase desc(stages, first_slice);
+        const StagedScales scales = staged_scales(params, slice, lane);
+        const DescBase desc(stages, slice);
 
-        float partial[kSlices][kNumAccum];
+        float partial[kNumAccum];
 #pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                partial[s][i] = 0.0f;
-        }
-        float sa[kSlices][2];
+        for (uint32_t i = 0; i < kNumAccum; ++i)
+            partial[i] = 0.0f;
+        float sa[2];
         ScalesB sb;
 
         const uint32_t num_k_blocks = tile_k_blocks(tile, st);
@@ -309,25 +306,22 @@ private:
 
     // The overlapping schedule (kOverlapPromotion; file comment). Same scale pointers, partial sums
     // and promotion as the serial one above.
-    template <uint32_t kSlices, class Pipe, class During>
-    __device__ __forceinline__ static uint32_t mma_overlap(float (&acc)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe, class During>
+    __device__ __forceinline__ static uint32_t mma_overlap(float (&acc)[kNumAccum], const Pipe& pipe,
                                                            sm90::PipelineState<Traits::kNumStages>& st,
                                                            const sched::GroupedTile& tile, const Params& params,
-                                                           const Stages& stages, uint32_t first_slice,
+                                                           const Stages& stages, uint32_t slice,
                                                            uint32_t lane, const During& during) {
-        const StagedScales scales = staged_scales(params, first_slice, lane);
-        const DescBase desc(stages, first_slice);
+        const StagedScales scales = staged_scales(params, slice, lane);
+        const DescBase desc(stages, slice);
 
         // partial[j] holds the k-blocks kb with kb % 2 == j.
-        float partial[2][kSlices][kNumAccum];
+        float partial[2][kNumAccum];
 #pragma unroll
         for (uint32_t j = 0; j < 2; ++j) {
 #pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-                for (uint32_t i = 0; i < kNumAccum; ++i)
-                    partial[j][s][i] = 0.0f;
-            }
+            for (uint32_t i = 0; i < kNumAccum; ++i)
+                partial[j][i] = 0.0f;
         }
         const uint32_t num_k_blocks = tile_k_blocks(tile, st);
         if (num_k_blocks == 0)
@@ -338,7 +332,7 @@ private:
         mma::fence_accumulators(acc);
         mma::fence_accumulators(partial[0]);
         mma::fence_accumulators(partial[1]);
-        float sa[kSlices][2];
+        float sa[2];
         ScalesB sb;
         // k-block 0 into partial[0]. Every control-flow join below sees the same wgmmas in flight
         // (partial[0]'s group, holding k-block kb), and both exits wait for all of them: a join
@@ -347,7 +341,11 @@ private:
         if constexpr (!kLateScales)
             read_scales(sa, sb, scales, stage);
         during();
+        // K compiled in: the loop unrolled over the whole tile, so that every k-block's stage is a constant
+        // (the overlap mainloop with K compiled in takes a static ring only); K at run time: a loop.
+        constexpr uint32_t kUnroll = Traits::kShapeK != 0 ? Traits::kNumKBlocks : 1;
         uint32_t kb = 0;
+#pragma unroll kUnroll
         for (; kb + 2 < num_k_blocks; kb += 2) {
             overlap_step(acc, partial[0], partial[1], pipe, st, desc, sa, sb, scales, stage, lane);
             overlap_step(acc, partial[1], partial[0], pipe, st, desc, sa, sb, scales, stage, lane);
@@ -377,8 +375,8 @@ private:
 
     // Waits for the next stage's full barrier and issues its wgmmas into `partial` (one commit
     // group); returns the stage and advances st.
-    template <uint32_t kSlices, class Pipe>
-    __device__ __forceinline__ static uint32_t issue(float (&partial)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe>
+    __device__ __forceinline__ static uint32_t issue(float (&partial)[kNumAccum], const Pipe& pipe,
                                                      sm90::PipelineState<Traits::kNumStages>& st,
                                                      const DescBase& desc) {
         pipe.consumer_wait(st);
@@ -396,12 +394,12 @@ private:
     // `cur` holds a k-block in flight, read from `stage` with scales sa, sb (kLateScales: not read
     // yet): issues the next k-block into `next`, waits for cur's group only, frees its stage and
     // promotes it. Leaves `stage`, and sa and sb unless kLateScales, those of the next k-block.
-    template <uint32_t kSlices, class Pipe>
-    __device__ __forceinline__ static void overlap_step(float (&acc)[kSlices][kNumAccum],
-                                                        float (&cur)[kSlices][kNumAccum],
-                                                        float (&next)[kSlices][kNumAccum], const Pipe& pipe,
+    template <class Pipe>
+    __device__ __forceinline__ static void overlap_step(float (&acc)[kNumAccum],
+                                                        float (&cur)[kNumAccum],
+                                                        float (&next)[kNumAccum], const Pipe& pipe,
                                                         sm90::PipelineState<Traits::kNumStages>& st,
-                                                        const DescBase& desc, float (&sa)[kSlices][2], ScalesB& sb,
+                                                        const DescBase& desc, float (&sa)[2], ScalesB& sb,
                                                         const StagedScales& scales, uint32_t& stage, uint32_t lane) {
         const uint32_t next_stage = issue(next, pipe, st, desc);
         if constexpr (kLateScales) {
@@ -413,28 +411,25 @@ private:
             promote(acc, cur, sa, sb);
         } else {
             // The next k-block's scales, read while both groups run.
-            float next_sa[kSlices][2];
+            float next_sa[2];
             ScalesB next_sb;
             read_scales(next_sa, next_sb, scales, next_stage);
             ptx::wgmma_wait_group<1>();
             mma::fence_accumulators(cur);
             pipe.consumer_release(stage, lane);
             promote(acc, cur, sa, sb);
-#pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-                sa[s][0] = next_sa[s][0];
-                sa[s][1] = next_sa[s][1];
-            }
+            sa[0] = next_sa[0];
+            sa[1] = next_sa[1];
             sb = next_sb;
         }
         stage = next_stage;
     }
 
     // The tile's last k-block, in flight in `cur`: waits for every group, frees its stage, promotes.
-    template <uint32_t kSlices, class Pipe>
-    __device__ __forceinline__ static void last_step(float (&acc)[kSlices][kNumAccum],
-                                                     float (&cur)[kSlices][kNumAccum], const Pipe& pipe,
-                                                     float (&sa)[kSlices][2], ScalesB& sb, const StagedScales& scales,
+    template <class Pipe>
+    __device__ __forceinline__ static void last_step(float (&acc)[kNumAccum],
+                                                     float (&cur)[kNumAccum], const Pipe& pipe,
+                                                     float (&sa)[2], ScalesB& sb, const StagedScales& scales,
                                                      uint32_t stage, uint32_t lane) {
         ptx::wgmma_wait_group<0>();
         mma::fence_accumulators(cur);
@@ -445,8 +440,7 @@ private:
     }
 
     // One k-block's wgmmas on `stage` into `partial`, committed as one group.
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void issue_block(float (&partial)[kSlices][kNumAccum], const DescBase& desc,
+    __device__ __forceinline__ static void issue_block(float (&partial)[kNumAccum], const DescBase& desc,
                                                        uint32_t stage) {
         // The stage is warp-uniform too; said so (lane 0's), the descriptors need no per-wgmma
         // register-to-uniform moves.
@@ -455,111 +449,88 @@ private:
         const uint32_t lo_b = desc.b + uniform_stage * (Stages::kBBytes >> 4);
 #pragma unroll
         for (uint32_t k = 0; k < kWgmmasPerBlock; ++k) {
-#pragma unroll
-            for (uint32_t s = 0; s < kSlices; ++s) {
-                const uint64_t desc_a = mma::k_major_desc_at(lo_a, s * 64 * mma::kSwizzleBytes + k * MMA::K);
-                const uint64_t desc_b = mma::k_major_desc_at(lo_b, k * MMA::K);
-                // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
-                MMA::mma(partial[s], desc_a, desc_b, k > 0 ? 1u : 0u);
-            }
+            const uint64_t desc_a = mma::k_major_desc_at(lo_a, k * MMA::K);
+            const uint64_t desc_b = mma::k_major_desc_at(lo_b, k * MMA::K);
+            // The first wgmma of the k-block overwrites the partial sums (scale-d = 0).
+            MMA::mma(partial, desc_a, desc_b, k > 0 ? 1u : 0u);
         }
         ptx::wgmma_commit_group();
     }
 
     // acc += partial * sa[row] * sb (both schedules).
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
-                                                   const float (&partial)[kSlices][kNumAccum],
-                                                   const float (&sa)[kSlices][2], const float (&sb)[kNumScalesB]) {
+    __device__ __forceinline__ static void promote(float (&acc)[kNumAccum], const float (&partial)[kNumAccum],
+                                                   const float (&sa)[2], const float (&sb)[kNumScalesB]) {
         // K-grouped: accumulator i is row half (i / 2) % 2, column index 2 (i / 4) + i % 2.
 #pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                acc[s][i] = fmaf(partial[s][i], sa[s][(i >> 1) & 1] * sb[2 * (i / 4) + (i & 1)], acc[s][i]);
-        }
+        for (uint32_t i = 0; i < kNumAccum; ++i)
+            acc[i] = fmaf(partial[i], sa[(i >> 1) & 1] * sb[2 * (i / 4) + (i & 1)], acc[i]);
     }
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
-                                                   const float (&partial)[kSlices][kNumAccum],
-                                                   const float (&sa)[kSlices][2], float sb) {
+    __device__ __forceinline__ static void promote(float (&acc)[kNumAccum], const float (&partial)[kNumAccum],
+                                                   const float (&sa)[2], float sb) {
+        const float scale_lo = sa[0] * sb, scale_hi = sa[1] * sb;
 #pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            const float scale_lo = sa[s][0] * sb, scale_hi = sa[s][1] * sb;
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i)
-                acc[s][i] = fmaf(partial[s][i], (i & 2) ? scale_hi : scale_lo, acc[s][i]);
-        }
+        for (uint32_t i = 0; i < kNumAccum; ++i)
+            acc[i] = fmaf(partial[i], (i & 2) ? scale_hi : scale_lo, acc[i]);
     }
 
     // 192-wide tiles: accumulator i is in the fragment's 8-column group i / 4, the first kSplit groups
     // in the first weight block, the others in the second. The products are the 128-wide tile's
     // (sa[row] * sb, then fmaf).
-    template <uint32_t kSplit, uint32_t kSlices>
-    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
-                                                   const float (&partial)[kSlices][kNumAccum],
-                                                   const float (&sa)[kSlices][2], const TwoBlockScales& sb) {
+    template <uint32_t kSplit>
+    __device__ __forceinline__ static void promote(float (&acc)[kNumAccum],
+                                                   const float (&partial)[kNumAccum],
+                                                   const float (&sa)[2], const TwoBlockScales& sb) {
         static_assert(kSplit == 8 || kSplit == 16, "MainloopFP8: a 192-wide tile switches blocks after 64 or 128 columns");
+        const float lo0 = sa[0] * sb.first, hi0 = sa[1] * sb.first;
+        const float lo1 = sa[0] * sb.second, hi1 = sa[1] * sb.second;
 #pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            const float lo0 = sa[s][0] * sb.first, hi0 = sa[s][1] * sb.first;
-            const float lo1 = sa[s][0] * sb.second, hi1 = sa[s][1] * sb.second;
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i) {
-                const bool first = i / 4 < kSplit;
-                acc[s][i] = fmaf(partial[s][i], (i & 2) ? (first ? hi0 : hi1) : (first ? lo0 : lo1), acc[s][i]);
-            }
+        for (uint32_t i = 0; i < kNumAccum; ++i) {
+            const bool first = i / 4 < kSplit;
+            acc[i] = fmaf(partial[i], (i & 2) ? (first ? hi0 : hi1) : (first ? lo0 : lo1), acc[i]);
         }
     }
     // One weight block per tile (128-wide tiles): kSplit is 0.
-    template <uint32_t kSplit, uint32_t kSlices, class ScalesBArg>
-    __device__ __forceinline__ static void promote(float (&acc)[kSlices][kNumAccum],
-                                                   const float (&partial)[kSlices][kNumAccum],
-                                                   const float (&sa)[kSlices][2], const ScalesBArg& sb) {
+    template <uint32_t kSplit, class ScalesBArg>
+    __device__ __forceinline__ static void promote(float (&acc)[kNumAccum],
+                                                   const float (&partial)[kNumAccum],
+                                                   const float (&sa)[2], const ScalesBArg& sb) {
         promote(acc, partial, sa, sb);
     }
 
     // The staged scales: smem addresses in stage 0 of this thread's first row scale and of the tile's B
     // scale (K-grouped: of its first column's, column 2 (l % 4) of the tile). wgmma m64 fragment: thread
     // (warp w, lane l) of the warpgroup holds rows 16 w + l / 4 (accumulators i with i % 4 < 2) and
-    // 16 w + l / 4 + 8 (the others) of each slice, and columns 8 j + 2 (l % 4) + {0, 1} (accumulators
+    // 16 w + l / 4 + 8 (the others) of the slice, and columns 8 j + 2 (l % 4) + {0, 1} (accumulators
     // 4 j .. 4 j + 3).
-    __device__ __forceinline__ static StagedScales staged_scales(const Params& params, uint32_t first_slice,
+    __device__ __forceinline__ static StagedScales staged_scales(const Params& params, uint32_t slice,
                                                                  uint32_t lane) {
         const uint32_t warp = (threadIdx.x % 128) / 32;
         const uint32_t first_col = kKGrouped ? 2 * (lane % 4) : 0;
-        return StagedScales{params.smem + (first_slice * 64 + warp * 16 + lane / 4) * 4,
+        return StagedScales{params.smem + (slice * 64 + warp * 16 + lane / 4) * 4,
                             params.smem + kScaleBOffset + first_col * 4};
     }
 
-    // A stage's scales of this thread's rows (slice s: rows + 64 s and + 64 s + 8) and the tile's B
-    // scale (the same address in every thread: a broadcast).
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void read_row_scales(float (&sa)[kSlices][2], const StagedScales& scales,
+    // A stage's scales of this thread's two rows (row and row + 8) and the tile's B scale (the same
+    // address in every thread: a broadcast).
+    __device__ __forceinline__ static void read_row_scales(float (&sa)[2], const StagedScales& scales,
                                                            uint32_t offset) {
-#pragma unroll
-        for (uint32_t s = 0; s < kSlices; ++s) {
-            sa[s][0] = ptx::ld_shared_f32(scales.rows + offset + s * 64 * 4);
-            sa[s][1] = ptx::ld_shared_f32(scales.rows + offset + (s * 64 + 8) * 4);
-        }
+        sa[0] = ptx::ld_shared_f32(scales.rows + offset);
+        sa[1] = ptx::ld_shared_f32(scales.rows + offset + 8 * 4);
     }
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], float& sb, const StagedScales& scales,
+    __device__ __forceinline__ static void read_scales(float (&sa)[2], float& sb, const StagedScales& scales,
                                                        uint32_t stage) {
         const uint32_t offset = stage * kStageScaleBytes;
         read_row_scales(sa, scales, offset);
         sb = ptx::ld_shared_f32(scales.block_b + offset);
     }
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], TwoBlockScales& sb,
+    __device__ __forceinline__ static void read_scales(float (&sa)[2], TwoBlockScales& sb,
                                                        const StagedScales& scales, uint32_t stage) {
         read_scales(sa, sb.first, scales, stage);
         sb.second = ptx::ld_shared_f32(scales.block_b + stage * kStageScaleBytes + 4);
     }
     // K-grouped: the thread's 32 column scales, sb[2 j + t] that of column 8 j + 2 (l % 4) + t, as 16
     // 8-byte loads (the 8 lanes of a row group read the same 4 addresses).
-    template <uint32_t kSlices>
-    __device__ __forceinline__ static void read_scales(float (&sa)[kSlices][2], float (&sb)[kNumScalesB],
+    __device__ __forceinline__ static void read_scales(float (&sa)[2], float (&sb)[kNumScalesB],
                                                        const StagedScales& scales, uint32_t stage) {
         const uint32_t offset = stage * kStageScaleBytes;
         read_row_scales(sa, scales, offset);

@@ -42,16 +42,13 @@ struct WgmmaE4M3 {
     }
 };
 
-// Every accumulator register of a warpgroup's 64-row slices fenced, so the compiler neither reads nor
+// Every accumulator register of a warpgroup's 64-row slice fenced, so the compiler neither reads nor
 // moves them while wgmmas in flight may write them.
-template <uint32_t kSlices, uint32_t kNumAccum>
-__device__ __forceinline__ void fence_accumulators(float (&acc)[kSlices][kNumAccum]) {
+template <uint32_t kNumAccum>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[kNumAccum]) {
 #pragma unroll
-    for (uint32_t s = 0; s < kSlices; ++s) {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i)
-            ptx::fence_operand(acc[s][i]);
-    }
+    for (uint32_t i = 0; i < kNumAccum; ++i)
+        ptx::fence_operand(acc[i]);
 }
 
 }  // namespace dge::mma

@@ -10,12 +10,6 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_thr
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(num_threads) : "memory");
 }
 
-// Arrive on a named barrier without waiting: the threads that bar.sync on it pass once
-// `num_threads` threads in all have arrived or synced.
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
-    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(num_threads) : "memory");
-}
-
 // True in exactly one active lane of the warp.
 __device__ __forceinline__ bool elect_one_sync() {
     uint32_t pred;
