@@ -83,7 +83,7 @@ _SWIGLU_BWD_T_ARGS = (
     KernelArg("clamp", "float"),
 )
 #: The transposing SwiGLU backward: 512 threads, one CTA per SM; its dynamic shared memory holds three bf16
-#: 128 x 128 result tiles and the three staged input tiles (kSwigluTSmemBytes).
+#: 128 x 128 result tiles and the three staged input tiles.
 _SWIGLU_BWD_T_THREADS = 512
 _SWIGLU_BWD_T_SMEM = 2 * 3 * FP8_BLOCK * FP8_BLOCK * 2
 

@@ -418,7 +418,6 @@ constexpr int kSwigluTWarps = kSwigluTThreads / kWarpSize;
 constexpr int kSwigluTRowsPerThread = kFp8Block / (2 * kSwigluTWarps);  // 4
 constexpr u32 kSwigluTRowStep = 2 * kSwigluTWarps;                      // rows between a thread's rows
 constexpr u32 kSwigluTTileVecs = kFp8Block * kFp8TileLanes;             // uint4 per 128 x 128 bf16 tile
-constexpr u32 kSwigluTSmemBytes = 2 * 3 * kSwigluTTileVecs * 16;
 // Phase 2's items: 3 tiles x 128 columns x 8 segments of 16 rows.
 constexpr int kSwigluTSegments = kFp8Block / 16;
 constexpr int kSwigluTItemsPerThread = kFp8Block * kSwigluTSegments / kSwigluTThreads;  // per tile: 2
@@ -438,7 +437,8 @@ __device__ __forceinline__ uint4 shfl_xor_v4(const uint4& v, int offset) {
                       __shfl_xor_sync(kFullMask, v.z, offset), __shfl_xor_sync(kFullMask, v.w, offset));
 }
 
-// 16 bytes global -> shared, L2 only (cp.async.cg); the copies this thread issued, in commit groups.
+// 16 bytes global -> shared, L2 only (cp.async.cg); the copies this thread issued, in commit groups. (Not
+// ptx/ld_st.cuh's cp_async_16: these sources compile under NVRTC too, without <cstdint>.)
 __device__ __forceinline__ void cp_async_cg_16(const void* smem_dst, const void* src) {
     const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem_dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
