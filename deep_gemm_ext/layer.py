@@ -18,7 +18,8 @@ choice (deep_gemm_ext.plan); so is which steps run inside the GEMMs: the L1 GEMM
 rows (``gather_x``; no pool of x is built and x is saved instead), the backward's GEMMs gathering
 dy and x (``gather_backward``), GEMM outputs written in top-k slot order for the combine
 (``combine_epilogue``). Where a fusion is off, the separate elementwise step of
-deep_gemm_ext.elementwise runs.
+deep_gemm_ext.elementwise runs; a pool of x built before the L1 GEMM is saved for dW1 unless
+``save_x_pool`` is off (then x is saved and the backward gathers the pool again).
 
 The backward needs only the L1 output h, the rows of x (the pool, or x itself), the routing
 metadata and the weights: act is recomputed from h, and d topk_weights is ``<da', act>``.
@@ -39,9 +40,9 @@ _META_TENSORS = 5  # counts, starts, ends, slot_to_row, row_to_slot
 # ---------------------------------------------------------------------------------------------
 # What the forward saves, as the flat tensor lists the custom ops carry:
 #   saved = [x_rows, w_rows, l1_weights, l2_weights, h, *routing metadata, *exchange handle]
-# x_rows is the dispatched x itself where the L1 GEMM gathered it (plan.gather_x), else the pool;
-# w_rows the dispatched topk_weights. On one rank dispatch is the identity, so x_rows (under gather_x)
-# and w_rows are op inputs; under expert parallelism they are the received rows, made by the op.
+# x_rows is x's pool where the forward built it and keeps it (plan.saves_x_pool), else the dispatched x
+# itself; w_rows the dispatched topk_weights. On one rank dispatch is the identity, so x_rows (when it is
+# x) and w_rows are op inputs; under expert parallelism they are the received rows, made by the op.
 # The op returns only the tensors it made ("produced"); setup_context adds the inputs back.
 
 
@@ -50,7 +51,7 @@ def produced_of(plan: Plan, saved: list[torch.Tensor]) -> list[torch.Tensor]:
     x_rows, w_rows, _, _, *rest = saved
     if plan.exchanges_tokens:
         return [x_rows, w_rows, *rest]
-    return rest if plan.gather_x else [x_rows, *rest]
+    return [x_rows, *rest] if plan.saves_x_pool else rest
 
 
 def saved_of(plan: Plan, x, topk_weights, l1_weights, l2_weights, produced: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,7 +59,7 @@ def saved_of(plan: Plan, x, topk_weights, l1_weights, l2_weights, produced: list
     if plan.exchanges_tokens:
         x_rows, w_rows, *rest = produced
         return [x_rows, w_rows, l1_weights, l2_weights, *rest]
-    if plan.gather_x:
+    if not plan.saves_x_pool:
         return [x, topk_weights, l1_weights, l2_weights, *produced]
     x_pool, *rest = produced
     return [x_pool, topk_weights, l1_weights, l2_weights, *rest]
@@ -75,9 +76,9 @@ def produced_like(plan: Plan, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
     i32 = dict(dtype=torch.int32, device=x.device)
     pool = x.new_empty(rows, hidden, dtype=plan.dtype)
     if plan.exchanges_tokens:
-        made = [x.new_empty(num_rows, hidden) if plan.gather_x else pool, topk_weights.new_empty(num_rows, top_k)]
+        made = [pool if plan.saves_x_pool else x.new_empty(num_rows, hidden), topk_weights.new_empty(num_rows, top_k)]
     else:
-        made = [] if plan.gather_x else [pool]
+        made = [pool] if plan.saves_x_pool else []
     return made + [x.new_empty(rows, two_i, dtype=plan.dtype), torch.empty(num_experts, **i32),
                    torch.empty(num_experts, **i32), torch.empty(num_experts, **i32),
                    torch.empty(num_rows * top_k, **i32), torch.empty(rows, **i32),
@@ -129,7 +130,7 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
                                single_launch=not plan.exchanges_tokens)
     if x_r.shape[0] == 0:
         _rows_arrived(pending)
-        x_rows = x_r if plan.gather_x else x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt)
+        x_rows = x_r.new_zeros(meta.num_pool_rows, x_r.shape[1], dtype=cdt) if plan.saves_x_pool else x_r
         h = x_r.new_zeros(meta.num_pool_rows, l1_weights.shape[1], dtype=cdt)
         y = plan.tokens.combine(x_r.new_zeros(x_r.shape), handle)
         return y, [x_rows, w_r, l1_weights, l2_weights, h, *meta.tensors(), *handle]
@@ -139,11 +140,14 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         x_rows = x_r
     else:
         _rows_arrived(pending)
-        a = gather = None
-        x_rows = a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
+        gather = None
+        a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
+        # The pool is kept for dW1, or freed once the L1 GEMM has read it (save_x_pool off: x is kept).
+        x_rows = a if plan.save_x_pool else x_r
     l1 = precision.expert_weights(l1_weights, cdt)
     # h is an output of the op: rows no expert owns are zero rather than stale memory.
     h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
+    del a  # a pool that is not saved is freed here
     _rows_arrived(pending)
     if plan.fp8_rows:
         # The L2 GEMM's operand straight from h: act's fp8 rows and scales, no bf16 act written.
@@ -242,8 +246,8 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     if plan.gather_backward:
         d_l1 = gemms.k_grouped(dh, x_rows.contiguous(), meta, recipe=precision, gather_b=gather)  # [E, 2I, H]
     else:
-        if plan.gather_x:
-            x_rows = elementwise.gather_rows(x_rows.contiguous(), meta.row_to_slot, top_k, plan.kernels,
+        if not plan.saves_x_pool:
+            x_rows = elementwise.gather_rows(x_rows.to(cdt).contiguous(), meta.row_to_slot, top_k, plan.kernels,
                                              meta.slot_to_row)
         d_l1 = gemms.k_grouped(dh, x_rows, meta, recipe=precision)  # [E, 2I, H]
     del dh

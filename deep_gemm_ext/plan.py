@@ -66,6 +66,8 @@ class Plan:
     jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
     gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async" or "tma");
                       "" builds a pool of x first
+    save_x_pool       with gather_x "", the forward saves the pool of x it built for dW1 (else it saves x, and
+                      the backward gathers the pool again: DGE_FUSED_GATHER=pass)
     gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x; DGE_FUSED_GATHER_BACKWARD,
                       unset: on only where every backward operand is quantized by a gathering kernel, fp8 weight
                       gradients on the sm90 provider)
@@ -94,6 +96,7 @@ class Plan:
     jit_routing: bool = False
     jit_elementwise: bool = False
     gather_x: str = ""
+    save_x_pool: bool = True
     gather_backward: bool = False
     combine_epilogue: bool = False
     check_ids: bool = True
@@ -116,6 +119,11 @@ class Plan:
     def tokens(self):
         """The token exchange (:mod:`deep_gemm_ext.comm`)."""
         return comm.exchange(self.exchange)
+
+    @property
+    def saves_x_pool(self) -> bool:
+        """The forward saves x's pool for dW1 (built before the L1 GEMM), not x's rows."""
+        return not self.gather_x and self.save_x_pool
 
     @property
     def exchanges_tokens(self) -> bool:
@@ -150,7 +158,10 @@ class Plan:
                  "loop": "a loop over experts", "deep_gemm": "DeepGEMM's grouped GEMMs"}
         parts = [f"{names[self.provider]} ({self.recipe}, {self.compute_dtype})",
                  "elementwise steps in " + ("JIT kernels" if self.jit_elementwise else "torch ops")]
-        fusions = [name for name, on in (("L1 gathers x", self.gather_x), ("backward gathers", self.gather_backward),
+        fusions = [name for name, on in (("L1 gathers x", self.gather_x),
+                                         ("x's pool gathered for the L1 GEMM and freed", not self.gather_x
+                                          and not self.save_x_pool),
+                                         ("backward gathers", self.gather_backward),
                                          ("combine epilogues", self.combine_epilogue),
                                          ("act and dh quantized in the SwiGLU kernels, dy per token", self.fp8_rows),
                                          ("dh and act_w column-quantized in the SwiGLU backward", self.fp8_cols),
@@ -349,7 +360,7 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
     compute = {torch.float64: "float64", torch.bfloat16: "bfloat16"}.get(gemms.compute_dtype(dtype), "float32")
     jit = jit_available(device)
     gather_mode = _env.fused_gather()
-    gather_x = gather_mode if (gather_mode is not None and gemms.gathers) else ""
+    gather_x = gather_mode if (gather_mode not in (None, "pass") and gemms.gathers) else ""
     gather_backward = _env.fused_gather_backward()
     fp8_rows = bool(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16")
     plan = Plan(
@@ -361,6 +372,7 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
         jit_routing=jit,
         jit_elementwise=jit and compute == "bfloat16",
         gather_x=gather_x,
+        save_x_pool=gather_mode != "pass",
         gather_backward=bool(gather_x) and (gather_backward if gather_backward is not None else bool(
             precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather)),
         combine_epilogue=gemms.supports(precision, ScatterSlots) and _env.fused_combine(),
