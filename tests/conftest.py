@@ -2,7 +2,6 @@
 a summary of the skips by reason at the end of a run."""
 from __future__ import annotations
 
-import fcntl
 import gc
 import os
 import tempfile
@@ -10,6 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
+
+from gpu_lock import GpuTestLock
 
 HAS_CUDA = torch.cuda.is_available()
 IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -29,23 +30,45 @@ def _fresh_plans():
     plan.clear_cache()
 
 
+# Under pytest-xdist with a GPU, the tests of all workers share the GPU's memory through one readers-writer
+# lock (tests/gpu_lock.py): every test holds it shared, a headline-size test exclusive.
+_GPU_LOCK = GpuTestLock(tempfile.gettempdir(), f"deep_gemm_ext_gpu_tests_{os.getuid()}")
+_SHARED_GPU = HAS_CUDA and bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def _release_gpu_memory() -> None:
+    """This process's cached GPU blocks back to the driver."""
+    gc.collect()
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_shared_by_workers():
+    """Every test of an xdist run on a GPU holds the lock shared: it waits while a headline-size test
+    waits or runs, and hands its cached blocks back when it ends while one waits."""
+    if not _SHARED_GPU:
+        yield
+        return
+    with _GPU_LOCK.shared(_release_gpu_memory):
+        yield
+
+
 @pytest.fixture
 def one_large_test_at_a_time():
-    """For a test whose fp64 reference takes tens of GB of GPU memory (the headline layers' sizes): such
-    tests run one at a time across the processes of a pytest-xdist run (a lock file), and each hands its
-    cached blocks back to the driver before the next starts. Without it, workers that reach several at once
-    run out of GPU memory."""
-    path = os.path.join(tempfile.gettempdir(), f"deep_gemm_ext_large_gpu_tests_{os.getuid()}.lock")
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    """For a test whose fp64 reference takes tens of GB of GPU memory (the headline layers' sizes): under
+    pytest-xdist it runs alone on the GPU (the lock exclusive: the other workers' running tests end first,
+    and they hand their cached blocks back); it hands its own back when it ends. Without it, such a test
+    ran out of memory beside the other workers' tests and caches (7 of them on 78 GiB with five workers)."""
+    if not _SHARED_GPU:
         try:
             yield
         finally:
-            gc.collect()
-            if HAS_CUDA:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            _release_gpu_memory()
+        return
+    with _GPU_LOCK.exclusive(_release_gpu_memory):
+        yield
 
 
 def _modules_load_eagerly() -> bool:
