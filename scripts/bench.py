@@ -54,6 +54,7 @@ def _ours(backend="auto", recipe="bf16"):
 def _variant_env(backend: str) -> dict[str, str]:
     """The DGE_* knobs a row's backend name selects (the defaults for every other row)."""
     return {"DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else "pass" if "gather-pass" in backend else
+                                 "sectors" if "gather-sectors" in backend else
                                  "tma" if "gather-tma" in backend else "cp_async"),
             # Unset for fp8 weight gradients: the plan's default there gathers (in the quantizers).
             "DGE_FUSED_GATHER_BACKWARD": ("1" if "gather-backward" in backend else
@@ -129,6 +130,8 @@ def implementations(with_loop: bool, all_variants: bool = False, compiled: bool 
     impls[("ours", "auto+pool-gather", "bf16")] = Impl(_ours())
     # The same pool for the L1 GEMM, freed after it: x is saved as by default (DGE_FUSED_GATHER=pass).
     impls[("ours", "auto+gather-pass", "bf16")] = Impl(_ours())
+    # The L1 GEMM's cp.async gather with whole-sector instructions (DGE_FUSED_GATHER=sectors).
+    impls[("ours", "auto+gather-sectors", "bf16")] = Impl(_ours())
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
     impls[("ours", "auto+pool-combine", "bf16")] = Impl(_ours())

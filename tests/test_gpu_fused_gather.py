@@ -38,7 +38,8 @@ def test_gather_argument_checks():
 
 def test_fused_gather_env(monkeypatch):
     from deep_gemm_ext import _env
-    for value, want in (("0", None), ("1", "cp_async"), ("tma", "tma"), ("cp_async", "cp_async"), ("pass", "pass")):
+    for value, want in (("0", None), ("1", "cp_async"), ("tma", "tma"), ("cp_async", "cp_async"), ("pass", "pass"),
+                        ("sectors", "sectors")):
         monkeypatch.setenv("DGE_FUSED_GATHER", value)
         assert _env.fused_gather() == want
     monkeypatch.delenv("DGE_FUSED_GATHER")
@@ -80,10 +81,45 @@ def test_k_grouped_gather_argument_checks():
         gg.k_grouped_bf16_gemm_tn_contiguous(a, a, se, se, gather_a=g, gather_b=g)
 
 
+@pytest.mark.parametrize("k_grouped,atoms", [(False, 1), (True, 2), (True, 4)])
+@pytest.mark.parametrize("whole_sectors", [False, True])
+def test_cp_async_gather_layout(k_grouped, atoms, whole_sectors):
+    """A model of GatherLayout's chunks (kernels/loader/sm90_gemm_loaders.cuh), as the loader issues them:
+    every 16-byte chunk of the stage copied once, to its swizzled place; with whole sectors each
+    instruction of a warp reads only whole 32-byte sectors and each quarter warp writes 8 different
+    16-byte bank groups (without, each instruction reads half sectors). The GPU tests check the bits."""
+    per_row = 4 * atoms if k_grouped else 4
+    rows = 64 if k_grouped else 128
+    step = 128 // per_row
+    copied = {}
+    for j in range(2):  # the thread's two chunks, as two instructions
+        for warp in range(4):
+            reads, quarters = {}, {}
+            for lane in range(32):
+                t = 32 * warp + lane
+                sector = t % per_row
+                atom, q = sector // 4, sector % 4
+                for i in range(rows // step):
+                    r = t // per_row + step * i
+                    c = q + 4 * ((r + atom + j) & 1) if whole_sectors else 2 * q + j
+                    key = (r, atom, c)
+                    assert key not in copied, f"chunk {key} copied twice"
+                    copied[key] = atom * 8192 + r * 128 + ((c ^ (r % 8)) << 4)
+                    reads.setdefault((i, r, atom, c // 2), set()).add(c % 2)
+                    quarters.setdefault((i, lane // 8), []).append((copied[key] % 128) // 16)
+            halves = [len(v) for v in reads.values()]
+            assert all(h == 2 for h in halves) == whole_sectors, "sectors read whole exactly with whole_sectors"
+            if whole_sectors or not k_grouped:
+                for slots in quarters.values():
+                    assert len(set(slots)) == 8, f"bank groups {slots} written twice in a quarter warp"
+    assert len(copied) == rows * atoms * 8
+
+
 def test_gather_configs_exist():
     names = [c[0] for c in gg.configs()]
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather" in names
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather_cpasync" in names
+    assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather_sectors" in names
 
 
 def _routed(num_tokens, num_experts, top_k, routing, hidden, seed):
@@ -150,7 +186,7 @@ def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
 
 @requires_hopper
 @pytest.mark.parametrize("backward", ["0", "1"])
-@pytest.mark.parametrize("mode", ["cp_async", "tma"])
+@pytest.mark.parametrize("mode", ["cp_async", "tma", "sectors"])
 @pytest.mark.parametrize("clamp", [None, 4.0])
 def test_layer_fused_gather_bit_identical(backward, mode, clamp, monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", backward)

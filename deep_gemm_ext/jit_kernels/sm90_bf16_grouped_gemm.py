@@ -98,10 +98,14 @@ _STAGED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Buffers<{buffers}>",
 
 
 #: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool),
-#: 1-row TMA boxes, or cp.async by the producer warpgroup (of A, or with gather_b of B).
+#: 1-row TMA boxes, or cp.async by the producer warpgroup (of A, or with gather_b of B); "sectors": the
+#: cp.async gather of A with each instruction reading whole 32-byte sectors (half the L2 requests of
+#: "cp_async", same bytes to the same places; M-grouped A only).
 _LOADERS = {None: "dge::gemm::LoaderTma", "tma": "dge::gemm::LoaderGatherTmaRows",
-            "cp_async": "dge::gemm::LoaderGatherCpAsyncA"}
-GATHER_MODES = ("tma", "cp_async")
+            "cp_async": "dge::gemm::LoaderGatherCpAsyncA", "sectors": "dge::gemm::LoaderGatherCpAsyncSectorsA"}
+GATHER_MODES = ("tma", "cp_async", "sectors")
+#: The gather modes that copy with cp.async (16-byte aligned rows of a multiple of 8 columns).
+CP_ASYNC_MODES = ("cp_async", "sectors")
 #: The cp.async gather that waits for rows still arriving from the expert-parallel dispatch
 #: (GemmConfig.await_rows; DGE_EP_OVERLAP), and the kernel arguments it reads after the core's.
 _AWAIT_LOADER = "dge::gemm::LoaderGatherCpAsyncAwait"
@@ -266,6 +270,11 @@ class GemmConfig:
             if wrong:
                 raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} (a 128-wide "
                                  f"slice fits the 2 default buffers), got {wrong}")
+        if self.gather_a not in _LOADERS:
+            raise ValueError(f"GemmConfig: gather_a={self.gather_a!r}, expected one of {tuple(_LOADERS)}")
+        if self.gather_a == "sectors" and self.layout not in ("nt", "nn"):
+            raise ValueError(f"GemmConfig: gather_a='sectors' with layout={self.layout!r}: the whole-sector gather "
+                             f"loads the K-major A of M-grouped GEMMs (layout 'nt' or 'nn')")
         if not isinstance(self.await_rows, bool):
             raise ValueError(f"GemmConfig: await_rows={self.await_rows!r}, expected a bool")
         if self.await_rows:
@@ -303,7 +312,7 @@ class GemmConfig:
         if self.epilogue != "store":
             name += f"_{self.epilogue}"
         if self.gather_a:
-            name += "_gather" + ("_cpasync" if self.gather_a == "cp_async" else "")
+            name += "_gather" + {"cp_async": "_cpasync", "sectors": "_sectors"}.get(self.gather_a, "")
         if self.gather_b:
             name += "_gatherb_cpasync"
         if self.fp8_mainloop != "serial":
@@ -814,14 +823,15 @@ def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None, *, cp_
         return src
     if src.shape[0] == 0:
         src = src.new_zeros(1, src.shape[1])
-    if cp_async_only or gather.mode == "cp_async":
-        _check_cp_async_source(label, src, gather)
+    if cp_async_only or gather.mode in CP_ASYNC_MODES:
+        _check_cp_async_source(label, src, gather, cp_async_only)
     return src
 
 
-def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather) -> None:
-    """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment."""
-    if gather.mode != "cp_async":
+def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather, cp_async_only: bool = False) -> None:
+    """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment. ``cp_async_only``: an operand
+    only the plain cp.async loader gathers (the K-grouped GEMM's)."""
+    if gather.mode not in (("cp_async",) if cp_async_only else CP_ASYNC_MODES):
         raise ValueError(f"{label}: gather.mode={gather.mode!r}, expected 'cp_async' (only the cp.async loader "
                          f"gathers this operand)")
     if src.data_ptr() % 16 or src.shape[-1] % 8:

@@ -32,7 +32,9 @@
 //                         MN-major B): the whole producer warpgroup copies the stage with 16-byte
 //                         cp.async, each thread one 32-byte sector of several rows (GatherLayout),
 //                         writing each chunk at its swizzled position; each thread's copies arrive
-//                         on the stage's full barrier (noinc).
+//                         on the stage's full barrier (noinc). kWholeSectors (LoaderGatherCpAsyncSectorsA):
+//                         the same chunks, issued so that each cp.async instruction reads whole
+//                         32-byte sectors (see GatherLayout).
 //   LoaderGatherCpAsyncAwait  LoaderGatherCpAsync of the M-grouped A whose token rows are still
 //                         being written by the expert-parallel dispatch (DGE_EP_OVERLAP): before a
 //                         tile's loads each producer warp waits until the source ranks of its rows
@@ -186,6 +188,13 @@ struct LoaderTma {
 //     2 (t % 4) + 1 (one 32-byte sector) of rows t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
 //   CpAsync, K-grouped MN-major operand (64 pool rows x kAtoms atoms of 64 columns): a row has
 //     4 kAtoms sectors; thread t copies sector t % (4 kAtoms) of rows t / (4 kAtoms) + step i.
+// In the CpAsync layouts a thread's two 16-byte chunks are one 32-byte sector (2q, 2q + 1 of its
+// atom, q = sector % 4), issued as two instructions: each instruction of a warp reads half of every
+// sector of its rows, so each sector of the operand costs two L2 requests. With kWholeSectors the
+// thread copies chunks q and q + 4 instead, the first one q + 4 ((row + atom) % 2): each instruction
+// reads whole sectors (the 4 threads of a row and atom read chunks 0-3, or 4-7), every chunk is still
+// copied once to the same place, and the 8 lanes of a quarter warp (two rows, or two atoms of one
+// row) write 8 different 16-byte bank groups of the swizzled stage.
 template <bool kTmaRows, bool kKGrouped, uint32_t kAtoms>
 struct GatherLayout {
     static constexpr uint32_t kSectorsPerRow = kKGrouped ? 4 * kAtoms : 4;
@@ -200,6 +209,10 @@ struct GatherLayout {
     __device__ __forceinline__ uint32_t row(uint32_t i) const { return first_row + kRowStep * i; }
     __device__ __forceinline__ uint32_t atom() const { return sector / 4; }         // 64-column atom
     __device__ __forceinline__ uint32_t chunk() const { return 2 * (sector % 4); }  // first 16-byte chunk in it
+    // kWholeSectors: the j-th (0, 1) 16-byte chunk this thread copies of row r in its atom.
+    __device__ __forceinline__ uint32_t sector_chunk(uint32_t r, uint32_t j) const {
+        return sector % 4 + 4 * ((r + atom() + j) & 1);
+    }
 };
 
 template <class Traits>
@@ -250,7 +263,7 @@ struct LoaderGatherTmaRows {
     }
 };
 
-template <class Traits, bool kGatherB>
+template <class Traits, bool kGatherB, bool kWholeSectors = false>
 struct LoaderGatherCpAsync {
     static_assert(Traits::kClusterN == 1, "the gathering loaders are for GEMMs without clusters");
     static_assert(!kGatherB || Traits::kKGrouped, "a gathered B is the MN-major operand of a K-grouped GEMM");
@@ -313,7 +326,8 @@ struct LoaderGatherCpAsync {
                 width = args.shape_m;
             }
 #pragma unroll
-            for (uint32_t c = gather.chunk(); c < gather.chunk() + 2; ++c) {
+            for (uint32_t chunk = gather.chunk(); chunk < gather.chunk() + 2; ++chunk) {
+                const uint32_t c = kWholeSectors ? gather.sector_chunk(r, chunk - gather.chunk()) : chunk;
                 const uint32_t col = col0 + c * 8;  // rows are multiples of 8 columns
                 const bool live = src_rows[i] >= 0 && col < width;
                 const __nv_bfloat16* ptr = args.x + (live ? static_cast<uint64_t>(src_rows[i]) * width + col : 0);
@@ -445,5 +459,8 @@ template <class Traits>
 using LoaderGatherCpAsyncA = LoaderGatherCpAsync<Traits, false>;
 template <class Traits>
 using LoaderGatherCpAsyncB = LoaderGatherCpAsync<Traits, true>;
+// The cp.async gather of A with whole-sector instructions (GatherLayout; DGE_FUSED_GATHER=sectors).
+template <class Traits>
+using LoaderGatherCpAsyncSectorsA = LoaderGatherCpAsync<Traits, false, true>;
 
 }  // namespace dge::gemm
