@@ -137,7 +137,8 @@ def use_jit_kernels() -> bool:
 
 
 _GATHER_MODES = {"cp_async": "cp_async", "1": "cp_async", "on": "cp_async", "true": "cp_async", "yes": "cp_async",
-                 "tma": "tma", "sectors": "sectors", "pass": "pass", "0": None, "off": None, "false": None, "no": None, "": None}
+                 "tma": "tma", "sectors": "sectors", "pass": "pass",
+                 "0": None, "off": None, "false": None, "no": None, "": None}
 
 
 def fused_gather() -> str | None:

@@ -64,7 +64,7 @@ class Plan:
     compute_dtype     dtype of the pool, h and the GEMMs
     jit_routing       routing metadata from the JIT kernel (else torch ops)
     jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
-    gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async" or "tma");
+    gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async", "sectors" or "tma");
                       "" builds a pool of x first
     save_x_pool       with gather_x "", the forward saves the pool of x it built for dW1 (else it saves x, and
                       the backward gathers the pool again: DGE_FUSED_GATHER=pass)

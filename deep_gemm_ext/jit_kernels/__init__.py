@@ -29,7 +29,8 @@ def available(device_index: int) -> bool:
     return True
 
 
-__all__ = ["AwaitRows", "CP_ASYNC_MODES", "Gather", "MAX_TOP_K", "Scatter", "available", "combine_rows", "combine_slots", "gather_rows",
+__all__ = ["AwaitRows", "CP_ASYNC_MODES", "Gather", "MAX_TOP_K", "Scatter", "available", "combine_rows", "combine_slots",
+           "gather_rows",
            "k_grouped_bf16_gemm_tn_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_contiguous",
            "m_grouped_fp8_gemm_nt_contiguous", "quantize_cols_fp8", "quantize_cols_transposed_fp8", "quantize_pool_rows_fp8",

@@ -616,7 +616,8 @@ class Gather(NamedTuple):
     r reads ``x[row_to_slot[r] // top_k]``, a zero row where ``row_to_slot[r] < 0`` (padding).
     ``row_to_slot`` [P] int32 is the routing's map (deep_gemm_ext.routing.RoutingMeta.row_to_slot);
     P is the pool's row count; a slot past the tokens also reads a zero row. ``mode``: "cp_async"
-    (the producer warpgroup copies rows with 16-byte cp.async) or "tma" (1-row TMA boxes).
+    (the producer warpgroup copies rows with 16-byte cp.async), "sectors" (the same, every instruction
+    reading whole 32-byte sectors; M-grouped GEMMs) or "tma" (1-row TMA boxes).
     ``await_rows`` (:class:`AwaitRows`, "cp_async" only, the "nt" M-grouped GEMMs): x's rows are
     still arriving and the loader waits for them."""
     row_to_slot: torch.Tensor

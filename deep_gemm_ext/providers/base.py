@@ -29,8 +29,8 @@ from ..routing import RoutingMeta
 
 class Gather(NamedTuple):
     """Pool row r of the operand is row ``row_to_slot[r] // top_k`` of a token matrix; ``mode`` names
-    the loader ("cp_async" or "tma"). ``await_rows`` (the sm90 provider's L1 forward only): the token
-    matrix's rows are still arriving from the overlapped dispatch, and the GEMM waits for them
+    the loader ("cp_async", "sectors" or "tma"). ``await_rows`` (the sm90 provider's L1 forward only):
+    the token matrix's rows are still arriving from the overlapped dispatch, and the GEMM waits for them
     (jit_kernels.AwaitRows)."""
     row_to_slot: torch.Tensor
     top_k: int
