@@ -18,8 +18,7 @@ choice (deep_gemm_ext.plan); so is which steps run inside the GEMMs: the L1 GEMM
 rows (``gather_x``; no pool of x is built and x is saved instead), the backward's GEMMs gathering
 dy and x (``gather_backward``), GEMM outputs written in top-k slot order for the combine
 (``combine_epilogue``). Where a fusion is off, the separate elementwise step of
-deep_gemm_ext.elementwise runs; a pool of x built before the L1 GEMM is saved for dW1 unless
-``save_x_pool`` is off (then x is saved and the backward gathers the pool again).
+deep_gemm_ext.elementwise runs; a pool of x built before the L1 GEMM is saved for dW1.
 
 The backward needs only the L1 output h, the rows of x (the pool, or x itself), the routing
 metadata and the weights: act is recomputed from h, and d topk_weights is ``<da', act>``.
@@ -142,12 +141,11 @@ def forward(plan: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activ
         _rows_arrived(pending)
         gather = None
         a = elementwise.gather_rows(x_r.to(cdt), meta.row_to_slot, top_k, plan.kernels, meta.slot_to_row)
-        # The pool is kept for dW1, or freed once the L1 GEMM has read it (save_x_pool off: x is kept).
-        x_rows = a if plan.save_x_pool else x_r
+        x_rows = a  # kept for dW1
     l1 = precision.expert_weights(l1_weights, cdt)
     # h is an output of the op: rows no expert owns are zero rather than stale memory.
     h = gemms.m_grouped(a, l1, meta, "nt", recipe=precision, gather=gather, zero_unowned=True)
-    del a  # a pool that is not saved is freed here
+    del a
     _rows_arrived(pending)
     if plan.fp8_rows:
         # The L2 GEMM's operand straight from h: act's fp8 rows and scales, no bf16 act written.

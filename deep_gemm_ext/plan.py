@@ -64,10 +64,8 @@ class Plan:
     compute_dtype     dtype of the pool, h and the GEMMs
     jit_routing       routing metadata from the JIT kernel (else torch ops)
     jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
-    gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async", "sectors" or "tma");
-                      "" builds a pool of x first
-    save_x_pool       with gather_x "", the forward saves the pool of x it built for dW1 (else it saves x, and
-                      the backward gathers the pool again: DGE_FUSED_GATHER=pass)
+    gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async"; the forward then
+                      saves x); "" builds a pool of x first and saves it for dW1
     gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x; DGE_FUSED_GATHER_BACKWARD,
                       unset: on only where every backward operand is quantized by a gathering kernel, fp8 weight
                       gradients on the sm90 provider)
@@ -96,7 +94,6 @@ class Plan:
     jit_routing: bool = False
     jit_elementwise: bool = False
     gather_x: str = ""
-    save_x_pool: bool = True
     gather_backward: bool = False
     combine_epilogue: bool = False
     check_ids: bool = True
@@ -123,7 +120,7 @@ class Plan:
     @property
     def saves_x_pool(self) -> bool:
         """The forward saves x's pool for dW1 (built before the L1 GEMM), not x's rows."""
-        return not self.gather_x and self.save_x_pool
+        return not self.gather_x
 
     @property
     def exchanges_tokens(self) -> bool:
@@ -159,8 +156,6 @@ class Plan:
         parts = [f"{names[self.provider]} ({self.recipe}, {self.compute_dtype})",
                  "elementwise steps in " + ("JIT kernels" if self.jit_elementwise else "torch ops")]
         fusions = [name for name, on in (("L1 gathers x", self.gather_x),
-                                         ("x's pool gathered for the L1 GEMM and freed", not self.gather_x
-                                          and not self.save_x_pool),
                                          ("backward gathers", self.gather_backward),
                                          ("combine epilogues", self.combine_epilogue),
                                          ("act and dh quantized in the SwiGLU kernels, dy per token", self.fp8_rows),
@@ -360,7 +355,7 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
     compute = {torch.float64: "float64", torch.bfloat16: "bfloat16"}.get(gemms.compute_dtype(dtype), "float32")
     jit = jit_available(device)
     gather_mode = _env.fused_gather()
-    gather_x = gather_mode if (gather_mode not in (None, "pass") and gemms.gathers) else ""
+    gather_x = gather_mode if (gather_mode is not None and gemms.gathers) else ""
     gather_backward = _env.fused_gather_backward()
     fp8_rows = bool(precision.fp8 and gemms.takes_fp8_rows and jit and compute == "bfloat16")
     plan = Plan(
@@ -372,7 +367,6 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
         jit_routing=jit,
         jit_elementwise=jit and compute == "bfloat16",
         gather_x=gather_x,
-        save_x_pool=gather_mode != "pass",
         gather_backward=bool(gather_x) and (gather_backward if gather_backward is not None else bool(
             precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather)),
         combine_epilogue=gemms.supports(precision, ScatterSlots) and _env.fused_combine(),

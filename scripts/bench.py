@@ -53,9 +53,7 @@ def _ours(backend="auto", recipe="bf16"):
 
 def _variant_env(backend: str) -> dict[str, str]:
     """The DGE_* knobs a row's backend name selects (the defaults for every other row)."""
-    return {"DGE_FUSED_GATHER": ("0" if "pool-gather" in backend else "pass" if "gather-pass" in backend else
-                                 "sectors" if "gather-sectors" in backend else
-                                 "tma" if "gather-tma" in backend else "cp_async"),
+    return {"DGE_FUSED_GATHER": "0" if "pool-gather" in backend else "cp_async",
             # Unset for fp8 weight gradients: the plan's default there gathers (in the quantizers).
             "DGE_FUSED_GATHER_BACKWARD": ("1" if "gather-backward" in backend else
                                           "" if "fp8-wgrad" in backend else "0"),
@@ -108,7 +106,7 @@ def compiled_grouped_mm() -> Impl:
     return impl
 
 
-def implementations(with_loop: bool, all_variants: bool = False, compiled: bool = True,
+def implementations(with_loop: bool, compiled: bool = True,
                     skips: dict | None = None) -> dict:
     """(impl, backend, recipe) -> Impl; impl "ours" is this package. Baselines that cannot run here
     get an entry in ``skips`` (key -> reason) instead."""
@@ -125,20 +123,14 @@ def implementations(with_loop: bool, all_variants: bool = False, compiled: bool 
     # With fp8 weight gradients on our fp8 K-grouped GEMM (DGE_FP8_WGRAD=fp8; the backward's
     # quantization kernels then gather dy's and x's rows: the plan's default for that mode).
     impls[("ours", "auto+fp8-wgrad", "fp8")] = Impl(_ours(recipe="fp8"))
-    # The L1 GEMM reading a gathered pool of x (DGE_FUSED_GATHER=0) instead of gathering x itself,
-    # and gathering x with 1-row TMA boxes rather than cp.async.
+    # The L1 GEMM reading a gathered pool of x, saved for dW1 (DGE_FUSED_GATHER=0), instead of
+    # gathering x itself.
     impls[("ours", "auto+pool-gather", "bf16")] = Impl(_ours())
-    # The same pool for the L1 GEMM, freed after it: x is saved as by default (DGE_FUSED_GATHER=pass).
-    impls[("ours", "auto+gather-pass", "bf16")] = Impl(_ours())
-    # The L1 GEMM's cp.async gather with whole-sector instructions (DGE_FUSED_GATHER=sectors).
-    impls[("ours", "auto+gather-sectors", "bf16")] = Impl(_ours())
+    # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
+    impls[("ours", "auto+gather-backward", "bf16")] = Impl(_ours())
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
     impls[("ours", "auto+pool-combine", "bf16")] = Impl(_ours())
-    if all_variants:
-        impls[("ours", "auto+gather-tma", "bf16")] = Impl(_ours())
-        # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
-        impls[("ours", "auto+gather-backward", "bf16")] = Impl(_ours())
     impls[("ours", "torch", "bf16")] = Impl(_ours("torch"))
     try:
         from deep_gemm_ext import plan
@@ -374,8 +366,6 @@ def main(argv=None):
                         "from an idle GPU, its host work before the first kernel included; more time the "
                         "steady state of a training loop, where a call's host work overlaps the previous "
                         "call's kernels")
-    p.add_argument("--all-variants", action="store_true",
-                   help="also time the variants measured slower before (1-row TMA gather, gathering backward)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd grouped_mm row")
     p.add_argument("--rows", nargs="*", default=None, metavar="IMPL:BACKEND:RECIPE",
                    help="time only the rows whose impl:backend:recipe matches one of these exactly (the eager "
@@ -401,7 +391,7 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", commit=git_commit(),
                 date=datetime.date.today().isoformat(), calls=args.calls)
     skips = {}
-    impls = implementations(args.loop, args.all_variants, compiled=not args.no_compile, skips=skips)
+    impls = implementations(args.loop, compiled=not args.no_compile, skips=skips)
     if args.rows is not None:
         known = {":".join(key) for key in impls} | {":".join(key) for key in skips}
         unknown = sorted(set(args.rows) - known)

@@ -201,7 +201,7 @@ def k_gemm_nt(H, N):
     torch.cuda.synchronize()
 
 
-def k_gemm_nt_gather(H, N, mode):
+def k_gemm_nt_gather(H, N):
     """The gathering prologue, with a slot past the tokens and ends past the pool (zero rows)."""
     jk = _jit()
     fn = _wrapper("m_grouped_bf16_gemm_nt_contiguous")
@@ -213,7 +213,7 @@ def k_gemm_nt_gather(H, N, mode):
     ends[-1] = meta.num_pool_rows + 128
     x = torch.randn(T, H, device="cuda").bfloat16()
     b = torch.randn(4, N, H, device="cuda").bfloat16()
-    fn(x, b, meta.starts, ends, gather=jk.Gather(row_to_slot, K, mode))
+    fn(x, b, meta.starts, ends, gather=jk.Gather(row_to_slot, K))
     torch.cuda.synchronize()
 
 
@@ -294,8 +294,7 @@ def run_kernel_cases():
         record(f"swiglu fwd+bwd P={P} I={I} clamp={clamp}", lambda: k_swiglu(P, I, clamp))
     for H, N in [(128, 128), (128, 256), (256, 384)]:
         record(f"m_grouped nt H={H} N={N}", lambda: k_gemm_nt(H, N))
-        for mode in ("tma", "cp_async"):
-            record(f"m_grouped nt gather {mode} H={H} N={N}", lambda: k_gemm_nt_gather(H, N, mode))
+        record(f"m_grouped nt gather H={H} N={N}", lambda: k_gemm_nt_gather(H, N))
         record(f"m_grouped nn K={H} N={N}", lambda: k_gemm_nn(H, N))
         record(f"backward gathers (cp.async) H={H} N={N}", lambda: k_gemm_backward_gathers(H, N))
         record(f"k_grouped tn M={N} N={H}", lambda: k_gemm_wgrad(N, H))

@@ -35,7 +35,6 @@ def test_plan_takes_the_overlap_only_where_it_applies():
             (sym, "grouped_mm", "bf16", bf16, "cp_async"),
             (sym, "sm90", "fp8", bf16, "cp_async"),
             (sym, "sm90", "bf16", torch.float32, "cp_async"),
-            (sym, "sm90", "bf16", bf16, "tma"),
             (sym, "sm90", "bf16", bf16, "")):
         assert not plan.ep_overlap_applies(True, exchange, provider, recipe, dtype, gather), (exchange, provider)
 
@@ -77,7 +76,7 @@ def test_waiting_gemm_configs_render():
             assert not set(gg.AWAIT_ARGS) & set(c.args)
 
 
-@pytest.mark.parametrize("bad", [dict(layout="nn"), dict(gather_a="tma"), dict(gather_a=None),
+@pytest.mark.parametrize("bad", [dict(layout="nn"), dict(gather_a=None),
                                  dict(cluster_n=2, gather_a="cp_async")])
 def test_waiting_gemm_config_rules(bad):
     kwargs = dict(layout="nt", block_n=256, gather_a="cp_async", await_rows=True)

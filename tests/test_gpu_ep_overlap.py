@@ -227,7 +227,7 @@ def test_waiting_gemm_bad_inputs():
     arrivals = torch.zeros(2, dtype=torch.int64, device="cuda")
     epoch = torch.ones(1, dtype=torch.int64, device="cuda")
     wait = jk.AwaitRows(arrivals, epoch, 64, 0, 10 ** 9, 100, overlap_report_tensor())
-    with pytest.raises(ValueError, match="expected mode 'cp_async'"):
+    with pytest.raises(ValueError, match="gather.mode='tma'"):
         jk.m_grouped_bf16_gemm_nt_contiguous(x, b, meta.starts, meta.ends, gather=jk.Gather(meta.row_to_slot, K,
                                                                                             "tma", wait))
     with pytest.raises(ValueError, match="W \\* capacity"):

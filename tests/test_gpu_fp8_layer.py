@@ -77,7 +77,6 @@ def test_fp8_layer_routings(routing, clamp):
 
 
 @pytest.mark.parametrize("env", [{"DGE_FUSED_GATHER": "0"}, {"DGE_FUSED_COMBINE": "0"}, {"DGE_FP8_WGRAD": "fp8"},
-                                 {"DGE_FP8_WGRAD": "bf16", "DGE_FUSED_GATHER": "tma"},
                                  {"DGE_FP8_WGRAD": "fp8", "DGE_FUSED_GATHER_BACKWARD": "1"},
                                  {"DGE_FP8_WGRAD": "fp8", "DGE_FUSED_GATHER": "0", "DGE_FUSED_COMBINE": "0"}])
 def test_fp8_layer_variants(monkeypatch, env):

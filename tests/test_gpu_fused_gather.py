@@ -4,9 +4,9 @@ dgrad and dW2 read dy's rows, dW1 reads x's rows, all through row_to_slot.
 GPU (Hopper): the gathered GEMM is bit-identical to gathering the pool first (gather_rows) and
 running the plain GEMM, on uniform / skewed / empty-expert /
 one-expert / unused-slot routings, with NaN-poisoned outputs; slots past the tokens and pool rows
-past the pool read zeros (never out of bounds); the layer with DGE_FUSED_GATHER on, off and "pass" gives
-bit-identical y and gradients, and saves x instead of the pool (on and "pass"). CPU: argument checks, and
-"pass" against 0 on the loop path.
+past the pool read zeros (never out of bounds); the layer with DGE_FUSED_GATHER on and off gives
+bit-identical y and gradients, and saves x instead of the pool when on. CPU: argument checks, and a
+model of the loader's chunks (whole 32-byte sectors per instruction, no bank conflicts).
 """
 from __future__ import annotations
 
@@ -38,39 +38,15 @@ def test_gather_argument_checks():
 
 def test_fused_gather_env(monkeypatch):
     from deep_gemm_ext import _env
-    for value, want in (("0", None), ("1", "cp_async"), ("tma", "tma"), ("cp_async", "cp_async"), ("pass", "pass"),
-                        ("sectors", "sectors")):
+    for value, want in (("0", None), ("1", "cp_async"), ("cp_async", "cp_async"), ("off", None)):
         monkeypatch.setenv("DGE_FUSED_GATHER", value)
         assert _env.fused_gather() == want
     monkeypatch.delenv("DGE_FUSED_GATHER")
     assert _env.fused_gather() == "cp_async"
-    monkeypatch.setenv("DGE_FUSED_GATHER", "maybe")
-    with pytest.raises(ValueError, match="DGE_FUSED_GATHER='maybe'"):
-        _env.fused_gather()
-
-
-def test_pass_mode_frees_the_pool_and_saves_x(monkeypatch):
-    """DGE_FUSED_GATHER=pass: the pool of x is gathered for the L1 GEMM and not saved (x is, and the
-    backward gathers the pool again); y and the gradients equal those of the mode that saves the pool
-    (DGE_FUSED_GATHER=0), here on the CPU's loop path (the GPU test below checks our kernels)."""
-    from deep_gemm_ext import plan
-    x, idx, w, l1, l2 = make_inputs(96, 64, 32, 6, 2, routing="empty_experts", seed=8)
-    dy = torch.randn(96, 64, generator=torch.Generator().manual_seed(9))
-    results, made = {}, {}
-    for mode in ("0", "pass"):
-        monkeypatch.setenv("DGE_FUSED_GATHER", mode)
-        p = plan.Plan.decode(plan.resolve_encoded(x, l1))
-        assert p.gather_x == "" and p.save_x_pool == (mode == "0") and p.saves_x_pool == (mode == "0")
-        _, made[mode] = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, p.encode())
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, l1, l2)]
-        y = dge.mega_moe_train(leaves[0], idx, leaves[1], leaves[2], leaves[3])
-        y.backward(dy)
-        results[mode] = (y.detach(), *[t.grad for t in leaves])
-    assert len(made["0"]) == len(made["pass"]) + 1, "pass mode must not save the pool"
-    assert made["0"][0].shape == (made["0"][-1].shape[0], 64)
-    assert "freed" in plan.Plan.decode(plan.resolve_encoded(x, l1)).describe()
-    for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), results["0"], results["pass"]):
-        assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER=pass differs from 0"
+    for bad in ("maybe", "tma", "sectors", "pass"):  # the last three: loaders and modes that were removed
+        monkeypatch.setenv("DGE_FUSED_GATHER", bad)
+        with pytest.raises(ValueError, match=f"DGE_FUSED_GATHER='{bad}'"):
+            _env.fused_gather()
 
 
 def test_k_grouped_gather_argument_checks():
@@ -84,10 +60,12 @@ def test_k_grouped_gather_argument_checks():
 @pytest.mark.parametrize("k_grouped,atoms", [(False, 1), (True, 2), (True, 4)])
 @pytest.mark.parametrize("whole_sectors", [False, True])
 def test_cp_async_gather_layout(k_grouped, atoms, whole_sectors):
-    """A model of GatherLayout's chunks (kernels/loader/sm90_gemm_loaders.cuh), as the loader issues them:
-    every 16-byte chunk of the stage copied once, to its swizzled place; with whole sectors each
-    instruction of a warp reads only whole 32-byte sectors and each quarter warp writes 8 different
-    16-byte bank groups (without, each instruction reads half sectors). The GPU tests check the bits."""
+    """A model of GatherLayout's chunks (kernels/loader/sm90_gemm_loaders.cuh), as the loader issues them
+    (whole_sectors, sector_chunk): every 16-byte chunk of the stage copied once, to its swizzled place;
+    each instruction of a warp reads only whole 32-byte sectors and each quarter warp writes 8 different
+    16-byte bank groups. The model's contrast (whole_sectors False: chunks 2q, 2q + 1, the loader's
+    layout before) reads half sectors in each instruction, which the model must tell apart. The GPU
+    tests check the bits."""
     per_row = 4 * atoms if k_grouped else 4
     rows = 64 if k_grouped else 128
     step = 128 // per_row
@@ -117,9 +95,9 @@ def test_cp_async_gather_layout(k_grouped, atoms, whole_sectors):
 
 def test_gather_configs_exist():
     names = [c[0] for c in gg.configs()]
-    assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather" in names
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather_cpasync" in names
-    assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather_sectors" in names
+    assert "sm90_bf16_grouped_gemm_nn_n256_s4_gather_cpasync" in names
+    assert not any(n.endswith(("_gather", "_gather_sectors")) for n in names), "removed loaders"
 
 
 def _routed(num_tokens, num_experts, top_k, routing, hidden, seed):
@@ -186,23 +164,21 @@ def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
 
 @requires_hopper
 @pytest.mark.parametrize("backward", ["0", "1"])
-@pytest.mark.parametrize("mode", ["cp_async", "tma", "sectors"])
 @pytest.mark.parametrize("clamp", [None, 4.0])
-def test_layer_fused_gather_bit_identical(backward, mode, clamp, monkeypatch):
+def test_layer_fused_gather_bit_identical(backward, clamp, monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", backward)
     x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="empty_experts", device="cuda", seed=11)
     dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
     results = {}
-    for flag in ("0", mode, "pass"):
+    for flag in ("0", "cp_async"):
         monkeypatch.setenv("DGE_FUSED_GATHER", flag)
         leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, l1, l2)]
         y = dge.mega_moe_train(leaves[0], idx, leaves[1], leaves[2], leaves[3], activation_clamp=clamp)
         y.backward(dy)
         results[flag] = (y.detach(), *[t.grad for t in leaves])
-    for flag in (mode, "pass"):
-        for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), results["0"], results[flag]):
-            assert a is not None and b is not None, name
-            assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER={flag} differs from 0"
+    for name, a, b in zip(("y", "dx", "dw", "dl1", "dl2"), results["0"], results["cp_async"]):
+        assert a is not None and b is not None, name
+        assert torch.equal(a, b), f"{name}: DGE_FUSED_GATHER=cp_async differs from 0"
 
 
 @requires_hopper
@@ -216,9 +192,6 @@ def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
     monkeypatch.setenv("DGE_FUSED_GATHER", "0")
     _, made = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, plan.resolve_encoded(x, l1))
     assert len(made) == 7 and made[0].shape == (made[-1].shape[0], 512), "without the fused gather the pool is saved"
-    monkeypatch.setenv("DGE_FUSED_GATHER", "pass")
-    _, made = torch.ops.deep_gemm_ext.mega_moe_fwd(x, idx, w, l1, l2, None, plan.resolve_encoded(x, l1))
-    assert len(made) == 6, "the pool gathered for the L1 GEMM (pass) is not saved"
 
 
 @requires_hopper

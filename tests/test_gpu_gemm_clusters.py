@@ -54,7 +54,7 @@ def test_cluster_knob_names_and_sources():
 
 
 @pytest.mark.parametrize("kwargs", [dict(cluster_n=3), dict(cluster_n=0), dict(cluster_n=True),
-                                    dict(cluster_n=2, gather_a="tma"), dict(cluster_n=2, gather_a="cp_async"),
+                                    dict(cluster_n=2, gather_a="cp_async"),
                                     dict(cluster_n=2, paired_n=True)])
 def test_cluster_config_rejects(kwargs):
     with pytest.raises(ValueError, match="cluster_n"):

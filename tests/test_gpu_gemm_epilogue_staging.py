@@ -78,7 +78,7 @@ def test_staging_knob_names_stages_and_sources():
     c2 = gg.GemmConfig("nt", 256, cluster_n=2, epilogue_buffers=4)
     assert c2.name == "sm90_bf16_grouped_gemm_nt_n256_s3_c2_e4" and "256, 3, 2, false" in c2.code()
     # The other knobs compose with it.
-    assert gg.GemmConfig("nt", 256, gather_a="tma", epilogue_buffers=4).name.endswith("_s3_gather_e4")
+    assert gg.GemmConfig("nt", 256, gather_a="cp_async", epilogue_buffers=4).name.endswith("_s3_gather_cpasync_e4")
     assert gg.GemmConfig("nt", 256, paired_n=True, epilogue_buffers=4).name.endswith("_s3_paired_e4")
 
 
@@ -334,9 +334,9 @@ def test_k_grouped_staging(kind, tokens, m, n, launched):
 
 
 @requires_hopper
-@pytest.mark.parametrize("variant", ["paired", "gather_tma", "gather_cp_async", "cluster"])
+@pytest.mark.parametrize("variant", ["paired", "gather_cp_async", "cluster"])
 def test_staging_with_other_knobs(variant, launched):
-    """4 buffers under paired N tiles, both gathering loaders and clusters of 2: the same bits as the
+    """4 buffers under paired N tiles, the gathering loader and clusters of 2: the same bits as the
     default kernel of that variant."""
     seed = _seed("variant", variant)
     g = torch.Generator().manual_seed(seed)

@@ -107,7 +107,7 @@ def test_checks_key_reads_everything_the_checks_read():
         assert checks_key("m", other, None, 1, "nt") != base
     assert checks_key("m", a, None, True, "nt") != base  # True is not 1 here
     idx = torch.zeros(8, dtype=torch.int32)
-    assert checks_key(Gather(idx, 2)) != checks_key(Gather(idx, 2, "tma"))
+    assert checks_key(Gather(idx, 2)) != checks_key(Gather(idx, 2, "other"))
     assert checks_key(Scatter(idx, 8)) != checks_key(Scatter(idx, 8, torch.zeros(8)))
     assert checks_key(Scatter(idx, 8, torch.zeros(8))) != checks_key(Scatter(idx, 8, row_weights=torch.zeros(8)))
     assert checks_key(Gather(idx, 2, "cp_async", object())) is None  # awaited rows: always checked

@@ -10,7 +10,7 @@ from .fp8_quant import (quantize_cols_fp8, quantize_cols_transposed_fp8, quantiz
                         swiglu_backward_fp8, swiglu_backward_fp8_t, swiglu_forward_fp8)
 from .gather_combine import MAX_TOP_K, combine_rows, combine_slots, gather_rows, take_or_zero, zero_rows_past
 from .routing import routing_metadata
-from .sm90_bf16_grouped_gemm import (CP_ASYNC_MODES, AwaitRows, Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
+from .sm90_bf16_grouped_gemm import (GATHER_MODES, AwaitRows, Gather, Scatter, k_grouped_bf16_gemm_tn_contiguous,
                                      m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous)
 from .sm90_fp8_grouped_gemm import k_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from .swiglu import swiglu_backward, swiglu_forward
@@ -29,7 +29,7 @@ def available(device_index: int) -> bool:
     return True
 
 
-__all__ = ["AwaitRows", "CP_ASYNC_MODES", "Gather", "MAX_TOP_K", "Scatter", "available", "combine_rows", "combine_slots",
+__all__ = ["AwaitRows", "GATHER_MODES", "Gather", "MAX_TOP_K", "Scatter", "available", "combine_rows", "combine_slots",
            "gather_rows",
            "k_grouped_bf16_gemm_tn_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_contiguous",

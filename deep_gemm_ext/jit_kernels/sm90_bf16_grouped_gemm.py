@@ -97,15 +97,11 @@ _STAGED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Buffers<{buffers}>",
                "scatter_weighted": "dge::gemm::EpilogueScatterSlotsBuffers<true, {buffers}>"}
 
 
-#: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool),
-#: 1-row TMA boxes, or cp.async by the producer warpgroup (of A, or with gather_b of B); "sectors": the
-#: cp.async gather of A with each instruction reading whole 32-byte sectors (half the L2 requests of
-#: "cp_async", same bytes to the same places; M-grouped A only).
-_LOADERS = {None: "dge::gemm::LoaderTma", "tma": "dge::gemm::LoaderGatherTmaRows",
-            "cp_async": "dge::gemm::LoaderGatherCpAsyncA", "sectors": "dge::gemm::LoaderGatherCpAsyncSectorsA"}
-GATHER_MODES = ("tma", "cp_async", "sectors")
-#: The gather modes that copy with cp.async (16-byte aligned rows of a multiple of 8 columns).
-CP_ASYNC_MODES = ("cp_async", "sectors")
+#: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool) or
+#: "cp_async" (the producer warpgroup gathers A's rows, or with gather_b B's, with cp.async
+#: instructions that each read whole 32-byte sectors).
+_LOADERS = {None: "dge::gemm::LoaderTma", "cp_async": "dge::gemm::LoaderGatherCpAsyncA"}
+GATHER_MODES = ("cp_async",)
 #: The cp.async gather that waits for rows still arriving from the expert-parallel dispatch
 #: (GemmConfig.await_rows; DGE_EP_OVERLAP), and the kernel arguments it reads after the core's.
 _AWAIT_LOADER = "dge::gemm::LoaderGatherCpAsyncAwait"
@@ -200,7 +196,7 @@ class GemmConfig:
     block_n: int
     paired_n: bool = False
     epilogue: str = "store"
-    gather_a: str | None = None  # gathering prologue ("tma" or "cp_async"): A rows come from x via row_to_slot
+    gather_a: str | None = None  # gathering prologue ("cp_async"): A rows come from x via row_to_slot
     gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
     dtype: str = "bf16"  # operand type, a key of MAINLOOPS: "bf16" or "fp8" (blockwise-scaled e4m3)
     fp8_mainloop: str = "serial"  # dtype "fp8" only: the fp8 mainloop's schedule, a key of FP8_MAINLOOPS
@@ -272,9 +268,6 @@ class GemmConfig:
                                  f"slice fits the 2 default buffers), got {wrong}")
         if self.gather_a not in _LOADERS:
             raise ValueError(f"GemmConfig: gather_a={self.gather_a!r}, expected one of {tuple(_LOADERS)}")
-        if self.gather_a == "sectors" and self.layout not in ("nt", "nn"):
-            raise ValueError(f"GemmConfig: gather_a='sectors' with layout={self.layout!r}: the whole-sector gather "
-                             f"loads the K-major A of M-grouped GEMMs (layout 'nt' or 'nn')")
         if not isinstance(self.await_rows, bool):
             raise ValueError(f"GemmConfig: await_rows={self.await_rows!r}, expected a bool")
         if self.await_rows:
@@ -312,7 +305,7 @@ class GemmConfig:
         if self.epilogue != "store":
             name += f"_{self.epilogue}"
         if self.gather_a:
-            name += "_gather" + {"cp_async": "_cpasync", "sectors": "_sectors"}.get(self.gather_a, "")
+            name += "_gather_cpasync"
         if self.gather_b:
             name += "_gatherb_cpasync"
         if self.fp8_mainloop != "serial":
@@ -615,10 +608,10 @@ class Gather(NamedTuple):
     """The gathering prologue of an M-grouped GEMM: ``a`` is the token matrix x [T, K] and pool row
     r reads ``x[row_to_slot[r] // top_k]``, a zero row where ``row_to_slot[r] < 0`` (padding).
     ``row_to_slot`` [P] int32 is the routing's map (deep_gemm_ext.routing.RoutingMeta.row_to_slot);
-    P is the pool's row count; a slot past the tokens also reads a zero row. ``mode``: "cp_async"
-    (the producer warpgroup copies rows with 16-byte cp.async), "sectors" (the same, every instruction
-    reading whole 32-byte sectors; M-grouped GEMMs) or "tma" (1-row TMA boxes).
-    ``await_rows`` (:class:`AwaitRows`, "cp_async" only, the "nt" M-grouped GEMMs): x's rows are
+    P is the pool's row count; a slot past the tokens also reads a zero row. ``mode``: the loader,
+    "cp_async" (the producer warpgroup copies rows with 16-byte cp.async, each instruction reading
+    whole 32-byte sectors), the one there is.
+    ``await_rows`` (:class:`AwaitRows`, the "nt" M-grouped GEMMs): x's rows are
     still arriving and the loader waits for them."""
     row_to_slot: torch.Tensor
     top_k: int
@@ -698,9 +691,6 @@ def _check_await(gather: Gather) -> None:
     w = gather.await_rows
     if not isinstance(w, AwaitRows):
         raise TypeError(f"gather.await_rows: expected jit_kernels.AwaitRows, got {type(w).__name__}")
-    if gather.mode != "cp_async":
-        raise ValueError(f"gather.mode={gather.mode!r} with await_rows: the waiting loader is the cp.async gather "
-                         f"(expected mode 'cp_async')")
     for label, t in (("arrivals", w.arrivals), ("epoch", w.epoch)):
         _check_tensor(f"gather.await_rows.{label}", t, 1, torch.int64)
     if w.epoch.shape[0] != 1:
@@ -775,8 +765,7 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
     (config.args declares them). With ``gather``, ``gather_src`` (default ``a``) is the token matrix
     whose rows are gathered."""
     kernel = config.kernel()
-    a_map = (jit.make_tma_2d(a, 1, 64) if config.gather_a == "tma"
-             else jit.make_tma_2d(a, 64, STAGE_ROW_BYTES // a.element_size()))
+    a_map = jit.make_tma_2d(a, 64, STAGE_ROW_BYTES // a.element_size())
     smem = config.smem_bytes()
     cluster = None
     wait = _await_of(gather)
@@ -816,25 +805,20 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
     kernel.launch_bytes(grid, (_THREADS, 1, 1), layout, payload, smem=smem, cluster=cluster)
 
 
-def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None, *, cp_async_only: bool = False):
+def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None):
     """The token matrix a gathering GEMM reads (``src`` unchanged without a gather). An empty one is
-    replaced by one zero row, since every pool row then reads zeros anyway; cp.async (the mode
-    ``cp_async_only`` operands require) needs 16-byte aligned rows."""
+    replaced by one zero row, since every pool row then reads zeros anyway; cp.async needs 16-byte
+    aligned rows."""
     if gather is None:
         return src
     if src.shape[0] == 0:
         src = src.new_zeros(1, src.shape[1])
-    if cp_async_only or gather.mode in CP_ASYNC_MODES:
-        _check_cp_async_source(label, src, gather, cp_async_only)
+    _check_cp_async_source(label, src)
     return src
 
 
-def _check_cp_async_source(label: str, src: torch.Tensor, gather: Gather, cp_async_only: bool = False) -> None:
-    """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment. ``cp_async_only``: an operand
-    only the plain cp.async loader gathers (the K-grouped GEMM's)."""
-    if gather.mode not in (("cp_async",) if cp_async_only else CP_ASYNC_MODES):
-        raise ValueError(f"{label}: gather.mode={gather.mode!r}, expected 'cp_async' (only the cp.async loader "
-                         f"gathers this operand)")
+def _check_cp_async_source(label: str, src: torch.Tensor) -> None:
+    """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment."""
     if src.data_ptr() % 16 or src.shape[-1] % 8:
         raise ValueError(f"{label}: data_ptr() % 16 = {src.data_ptr() % 16}, {src.shape[-1]} columns: expected a "
                          f"16-byte aligned tensor with a multiple of 8 columns for the cp.async gather")
@@ -966,8 +950,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     if rows == 0:
         return out.zero_()
     gather = gather_a if gather_a is not None else gather_b
-    a = _gather_operand("a", a, gather_a, cp_async_only=True)
-    b = _gather_operand("b", b, gather_b, cp_async_only=True)
+    a = _gather_operand("a", a, gather_a)
+    b = _gather_operand("b", b, gather_b)
     with jit.device_guard(a):
         _launch(config, a, jit.make_tma_2d(b, 64, 64), dict(tma_c=jit.make_tma_2d(out, 64, 64, rows=num_experts * m,
                                                                                   cols=n)),

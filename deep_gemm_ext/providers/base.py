@@ -29,7 +29,7 @@ from ..routing import RoutingMeta
 
 class Gather(NamedTuple):
     """Pool row r of the operand is row ``row_to_slot[r] // top_k`` of a token matrix; ``mode`` names
-    the loader ("cp_async", "sectors" or "tma"). ``await_rows`` (the sm90 provider's L1 forward only):
+    the loader ("cp_async", jit_kernels.GATHER_MODES). ``await_rows`` (the sm90 provider's L1 forward only):
     the token matrix's rows are still arriving from the overlapped dispatch, and the GEMM waits for them
     (jit_kernels.AwaitRows)."""
     row_to_slot: torch.Tensor

@@ -44,7 +44,7 @@ def _gather(g: Gather | None, src):
         return None, src
     if g.await_rows is not None:  # rows still arriving: read in place (the launcher checks alignment)
         return _kernels.Gather(g.row_to_slot, g.top_k, g.mode, g.await_rows), src
-    if g.mode in _kernels.CP_ASYNC_MODES and src.data_ptr() % 16:
+    if src.data_ptr() % 16:
         src = src.clone()
     return _kernels.Gather(g.row_to_slot, g.top_k, g.mode), src
 

@@ -23,18 +23,12 @@
 //   LoaderTma             both operands by TMA boxes of 64 rows x 128 bytes (64 x 64 bf16, 64 x 128
 //                         e4m3; one thread; B multicast in clusters). K-grouped e4m3 reads the
 //                         transposed pools At [M, P], Bt [N, P] K-major from the expert's first row.
-//   LoaderGatherTmaRows   (M-grouped A) the first producer warp loads the 128 rows of each A stage as
-//                         1-row TMA boxes (64 columns, 128 bytes) placed at row r * 128 of the stage:
-//                         the 128B swizzle is a function of the shared memory address, so the rows
-//                         land where one 128-row box would have put them; a row coordinate of -1 is
-//                         out of bounds, which TMA fills with zeros (and still counts the bytes).
 //   LoaderGatherCpAsync   (M-grouped K-major A, or K-grouped MN-major A, or with kGatherB K-grouped
 //                         MN-major B): the whole producer warpgroup copies the stage with 16-byte
-//                         cp.async, each thread one 32-byte sector of several rows (GatherLayout),
+//                         cp.async, each thread two chunks of several rows (GatherLayout), issued
+//                         so that each cp.async instruction of a warp reads whole 32-byte sectors,
 //                         writing each chunk at its swizzled position; each thread's copies arrive
-//                         on the stage's full barrier (noinc). kWholeSectors (LoaderGatherCpAsyncSectorsA):
-//                         the same chunks, issued so that each cp.async instruction reads whole
-//                         32-byte sectors (see GatherLayout).
+//                         on the stage's full barrier (noinc).
 //   LoaderGatherCpAsyncAwait  LoaderGatherCpAsync of the M-grouped A whose token rows are still
 //                         being written by the expert-parallel dispatch (DGE_EP_OVERLAP): before a
 //                         tile's loads each producer warp waits until the source ranks of its rows
@@ -183,94 +177,48 @@ struct LoaderTma {
 };
 
 // Which rows and 16-byte chunks of a gathered stage each producer thread copies.
-//   TmaRows (M-grouped A, one warp): lane l loads whole rows l + 32 i (i < 4).
-//   CpAsync, M-grouped A (128 rows x 1 atom of 64 columns): thread t copies chunks 2 (t % 4) and
-//     2 (t % 4) + 1 (one 32-byte sector) of rows t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
+//   CpAsync, M-grouped A (128 rows x 1 atom of 64 columns): thread t owns sector q = t % 4 of rows
+//     t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
 //   CpAsync, K-grouped MN-major operand (64 pool rows x kAtoms atoms of 64 columns): a row has
-//     4 kAtoms sectors; thread t copies sector t % (4 kAtoms) of rows t / (4 kAtoms) + step i.
-// In the CpAsync layouts a thread's two 16-byte chunks are one 32-byte sector (2q, 2q + 1 of its
-// atom, q = sector % 4), issued as two instructions: each instruction of a warp reads half of every
-// sector of its rows, so each sector of the operand costs two L2 requests. With kWholeSectors the
-// thread copies chunks q and q + 4 instead, the first one q + 4 ((row + atom) % 2): each instruction
-// reads whole sectors (the 4 threads of a row and atom read chunks 0-3, or 4-7), every chunk is still
-// copied once to the same place, and the 8 lanes of a quarter warp (two rows, or two atoms of one
-// row) write 8 different 16-byte bank groups of the swizzled stage.
-template <bool kTmaRows, bool kKGrouped, uint32_t kAtoms>
+//     4 kAtoms sectors; thread t owns sector t % (4 kAtoms) (atom a, q = sector % 4) of rows
+//     t / (4 kAtoms) + step i.
+// A thread copies two 16-byte chunks per row and atom, as two instructions: chunk q + 4 ((r + a + j) % 2)
+// in instruction j (sector_chunk), not the two halves 2q, 2q + 1 of one sector. So the 4 threads of a
+// row and atom read chunks 0-3 or 4-7 in each instruction: whole 32-byte sectors, one L2 request per
+// sector (the two halves, one per instruction, would cost two; measured 0.83-0.87x the time of the L1
+// forward's gather, docs/perf-notes.md v38). Every chunk is still copied once to the same place, and
+// the 8 lanes of a quarter warp (two rows, or two atoms of one row) write 8 different 16-byte bank
+// groups of the swizzled stage.
+template <bool kKGrouped, uint32_t kAtoms>
 struct GatherLayout {
     static constexpr uint32_t kSectorsPerRow = kKGrouped ? 4 * kAtoms : 4;
-    static constexpr uint32_t kRowStep = kTmaRows ? 32 : 128 / kSectorsPerRow;
+    static constexpr uint32_t kRowStep = 128 / kSectorsPerRow;
     static constexpr uint32_t kRows = kKGrouped ? 64 : 128;
     static constexpr uint32_t kRowsPerThread = kRows / kRowStep;
     static_assert(kRows % kRowStep == 0, "GatherLayout: rows must split evenly over the copiers");
+    // A thread's rows share their parity, so its two chunks are the same for all of them.
+    static_assert(kRowStep % 2 == 0, "GatherLayout: a thread's rows must have one parity");
     uint32_t first_row, sector;
 
     __device__ explicit GatherLayout(uint32_t thread)
-        : first_row(kTmaRows ? thread % 32 : thread / kSectorsPerRow), sector(kTmaRows ? 0 : thread % kSectorsPerRow) {}
+        : first_row(thread / kSectorsPerRow), sector(thread % kSectorsPerRow) {}
     __device__ __forceinline__ uint32_t row(uint32_t i) const { return first_row + kRowStep * i; }
     __device__ __forceinline__ uint32_t atom() const { return sector / 4; }         // 64-column atom
-    __device__ __forceinline__ uint32_t chunk() const { return 2 * (sector % 4); }  // first 16-byte chunk in it
-    // kWholeSectors: the j-th (0, 1) 16-byte chunk this thread copies of row r in its atom.
-    __device__ __forceinline__ uint32_t sector_chunk(uint32_t r, uint32_t j) const {
-        return sector % 4 + 4 * ((r + atom() + j) & 1);
+    // The j-th (0, 1) 16-byte chunk this thread copies of each of its rows r in its atom:
+    // q + 4 ((r + atom + j) % 2), where r % 2 == first_row % 2.
+    __device__ __forceinline__ uint32_t sector_chunk(uint32_t j) const {
+        return sector % 4 + 4 * ((first_row + atom() + j) & 1);
     }
 };
 
-template <class Traits>
-struct LoaderGatherTmaRows {
-    static_assert(Traits::kType == GroupedGemmType::MGroupedContiguous && Traits::kClusterN == 1,
-                  "the 1-row TMA loader gathers the K-major A of M-grouped GEMMs without clusters");
-    static_assert(Traits::kElement == ElementType::BF16, "the gathering loaders read bf16 token rows");
-    using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
-    using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
-    using Gather = GatherLayout<true, false, 2>;
-    static constexpr uint32_t kNumArgs = 0;
-    static constexpr bool kOrderedM = false;
-    static constexpr uint32_t kCopyArrivals = 0;
-    static constexpr bool kGenericProxyWrites = false;
-
-    const LoaderArgs& args;
-    const Stages& stages;
-    const Gather gather;
-    const bool leader;
-    int32_t src_rows[Gather::kRowsPerThread];  // the tile's gathered rows, fixed for all its k-blocks
-
-    __device__ static bool runs(uint32_t warp) { return warp == kNumConsumerWarpgroups * 4; }
-    __device__ LoaderGatherTmaRows(const LoaderArgs& args_, const Stages& stages_, uint32_t thread)
-        : args(args_), stages(stages_), gather(thread), leader(thread % 32 == 0) {}
-
-    __device__ __forceinline__ void begin_tile(const sched::GroupedTile& tile) {
-#pragma unroll
-        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
-            src_rows[i] = args.gather_source(tile.m_block * BLOCK_M + gather.row(i), args.shape_m);
-    }
-
-    template <class Pipe>
-    __device__ __forceinline__ void load(const Pipe& pipe, const sm90::PipelineState<Traits::kNumStages>& st,
-                                         const sched::GroupedTile& tile, const Columns& cols, uint32_t kb) {
-        uint32_t full = pipe.full(st.stage);
-        const uint32_t k0 = kb * BLOCK_K;
-        if (leader)
-            full = pipe.producer_acquire(st, Stages::kStageBytes);
-        // The leader has seen the stage freed: only then may the lanes write it.
-        __syncwarp();
-#pragma unroll
-        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
-            ptx::tma_load_2d(stages.a(st.stage) + gather.row(i) * 128, &args.tma_a, full, static_cast<int32_t>(k0),
-                             src_rows[i]);
-        if (!leader)
-            return;
-        TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
-    }
-};
-
-template <class Traits, bool kGatherB, bool kWholeSectors = false>
+template <class Traits, bool kGatherB>
 struct LoaderGatherCpAsync {
     static_assert(Traits::kClusterN == 1, "the gathering loaders are for GEMMs without clusters");
     static_assert(!kGatherB || Traits::kKGrouped, "a gathered B is the MN-major operand of a K-grouped GEMM");
     static_assert(Traits::kElement == ElementType::BF16, "the gathering loaders read bf16 token rows");
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
-    using Gather = GatherLayout<false, Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;
+    using Gather = GatherLayout<Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;
     static constexpr uint32_t kNumArgs = 0;
     static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 128;
@@ -326,8 +274,8 @@ struct LoaderGatherCpAsync {
                 width = args.shape_m;
             }
 #pragma unroll
-            for (uint32_t chunk = gather.chunk(); chunk < gather.chunk() + 2; ++chunk) {
-                const uint32_t c = kWholeSectors ? gather.sector_chunk(r, chunk - gather.chunk()) : chunk;
+            for (uint32_t j = 0; j < 2; ++j) {
+                const uint32_t c = gather.sector_chunk(j);
                 const uint32_t col = col0 + c * 8;  // rows are multiples of 8 columns
                 const bool live = src_rows[i] >= 0 && col < width;
                 const __nv_bfloat16* ptr = args.x + (live ? static_cast<uint64_t>(src_rows[i]) * width + col : 0);
@@ -459,8 +407,5 @@ template <class Traits>
 using LoaderGatherCpAsyncA = LoaderGatherCpAsync<Traits, false>;
 template <class Traits>
 using LoaderGatherCpAsyncB = LoaderGatherCpAsync<Traits, true>;
-// The cp.async gather of A with whole-sector instructions (GatherLayout; DGE_FUSED_GATHER=sectors).
-template <class Traits>
-using LoaderGatherCpAsyncSectorsA = LoaderGatherCpAsync<Traits, false, true>;
 
 }  // namespace dge::gemm
