@@ -153,12 +153,12 @@ def fused_gather() -> str | None:
 
 
 def fused_gather_backward() -> bool | None:
-    """DGE_FUSED_GATHER_BACKWARD: where the forward gathered x in its L1 GEMM, the backward's GEMMs
-    gather too (dy's rows in the L2 dgrad and dW2, x's rows in dW1) instead of building pools of dy
-    and x. Correct (bit-identical) but slower on the H200 for bf16 GEMMs, since each weight-gradient
-    tile re-gathers all of its expert's rows (docs/perf-notes.md, v5). None when unset: the plan then
-    gathers only where the quantization kernels of fp8 operands do it (fp8 weight gradients on our
-    SM90 kernels), off otherwise."""
+    """DGE_FUSED_GATHER_BACKWARD: where the forward gathered x in its L1 GEMM and the weight gradients
+    are fp8 on our SM90 kernels, the backward builds no pools of dy and x: the kernels that quantize
+    its operands read the token rows themselves (the default there). 0 turns that off (the quantizers
+    then read pools). bf16 weight gradients always read pools gathered once: a K-grouped GEMM that
+    gathers re-reads each row for every tile of its expert (1.9-4.2x the GEMM on a pool,
+    docs/perf-notes.md v39), so 1 changes nothing there. None when unset."""
     if not _get("DGE_FUSED_GATHER_BACKWARD", "").strip():
         return None
     return _flag("DGE_FUSED_GATHER_BACKWARD")

@@ -15,8 +15,8 @@ and the weight-gradient GEMMs read them (Fp8Cols operands).
 Which GEMMs run (``plan.gemms``: our SM90 kernels, torch._grouped_mm, a loop over experts, DeepGEMM),
 under which precision (``plan.precision``) and token exchange (``plan.tokens``) is the plan's
 choice (deep_gemm_ext.plan); so is which steps run inside the GEMMs: the L1 GEMM gathering x's
-rows (``gather_x``; no pool of x is built and x is saved instead), the backward's GEMMs gathering
-dy and x (``gather_backward``), GEMM outputs written in top-k slot order for the combine
+rows (``gather_x``; no pool of x is built and x is saved instead), the fp8 backward's quantizers
+gathering dy and x (``gather_backward``: no pools of them), GEMM outputs written in top-k slot order for the combine
 (``combine_epilogue``). Where a fusion is off, the separate elementwise step of
 deep_gemm_ext.elementwise runs; a pool of x built before the L1 GEMM is saved for dW1.
 
@@ -199,7 +199,7 @@ def backward(plan: Plan, dy, saved: list[torch.Tensor], activation_clamp):
     # where that measured faster (fused_dy_pools).
     dy_fp8 = None
     if plan.gather_backward:
-        # The GEMMs read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
+        # The fp8 operands' quantizers read dy's rows (L2 dgrad, dW2) and x's rows (dW1) themselves: no pools.
         a_dy, gather = dy_r.to(cdt).contiguous(), Gather(meta.row_to_slot, top_k, "cp_async")
     else:
         gather = None

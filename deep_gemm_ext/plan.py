@@ -66,9 +66,10 @@ class Plan:
     jit_elementwise   gather / combine / SwiGLU in JIT kernels (else torch ops)
     gather_x          the L1 forward GEMM reads x's rows itself, with this loader ("cp_async"; the forward then
                       saves x); "" builds a pool of x first and saves it for dW1
-    gather_backward   the backward's GEMMs read dy's and x's rows themselves (needs gather_x; DGE_FUSED_GATHER_BACKWARD,
-                      unset: on only where every backward operand is quantized by a gathering kernel, fp8 weight
-                      gradients on the sm90 provider)
+    gather_backward   the backward builds no pools of dy and x: every backward operand is quantized by a kernel
+                      that gathers the token rows (needs gather_x; fp8 weight gradients on a provider whose fp8
+                      quantizers gather, the sm90 one; DGE_FUSED_GATHER_BACKWARD=0 turns it off). bf16 weight
+                      gradients always read pools gathered once
     combine_epilogue  the L2 forward and L1 dgrad GEMMs write top-k slot order (reduced by combine_slots)
     fp8_wgrad         under the fp8 recipe, the weight gradients' operands: "fp8" (column-quantized) or "bf16"
                       (DGE_FP8_WGRAD; unset: "bf16" on the sm90 provider, "fp8" on the others)
@@ -367,8 +368,8 @@ def _resolve_uncached(device_type: str, device_index: int, dtype: torch.dtype, s
         jit_routing=jit,
         jit_elementwise=jit and compute == "bfloat16",
         gather_x=gather_x,
-        gather_backward=bool(gather_x) and (gather_backward if gather_backward is not None else bool(
-            precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather)),
+        gather_backward=bool(gather_x) and gather_backward is not False and bool(
+            precision.fp8 and precision.fp8_wgrad and gemms.fp8_quantizers_gather),
         combine_epilogue=gemms.supports(precision, ScatterSlots) and _env.fused_combine(),
         # On a GPU the host check costs a sync per forward: by default a device-side assertion does it.
         check_ids=_env.check_ids() if _env.check_ids() is not None else device.type != "cuda",

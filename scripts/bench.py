@@ -54,9 +54,8 @@ def _ours(backend="auto", recipe="bf16"):
 def _variant_env(backend: str) -> dict[str, str]:
     """The DGE_* knobs a row's backend name selects (the defaults for every other row)."""
     return {"DGE_FUSED_GATHER": "0" if "pool-gather" in backend else "cp_async",
-            # Unset for fp8 weight gradients: the plan's default there gathers (in the quantizers).
-            "DGE_FUSED_GATHER_BACKWARD": ("1" if "gather-backward" in backend else
-                                          "" if "fp8-wgrad" in backend else "0"),
+            # Unset: the plan's default, gathering in the fp8 weight gradients' quantizers, pools elsewhere.
+            "DGE_FUSED_GATHER_BACKWARD": "",
             "DGE_FP8_WGRAD": "fp8" if "fp8-wgrad" in backend else "",
             "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}
 
@@ -126,8 +125,6 @@ def implementations(with_loop: bool, compiled: bool = True,
     # The L1 GEMM reading a gathered pool of x, saved for dW1 (DGE_FUSED_GATHER=0), instead of
     # gathering x itself.
     impls[("ours", "auto+pool-gather", "bf16")] = Impl(_ours())
-    # The backward's GEMMs gathering dy's and x's rows too (DGE_FUSED_GATHER_BACKWARD=1).
-    impls[("ours", "auto+gather-backward", "bf16")] = Impl(_ours())
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
     impls[("ours", "auto+pool-combine", "bf16")] = Impl(_ours())

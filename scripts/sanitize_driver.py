@@ -217,27 +217,6 @@ def k_gemm_nt_gather(H, N):
     torch.cuda.synchronize()
 
 
-def k_gemm_backward_gathers(H, N):
-    """The backward's cp.async gathers: dy rows for the L2 dgrad and dW2, x rows for dW1, with a slot
-    past the tokens and an empty expert."""
-    jk = _jit()
-    T, K = 77, 3
-    meta = _gemm_meta(T, 4, K)
-    row_to_slot = meta.row_to_slot.clone()
-    row_to_slot[0] = T * K + 5
-    gather = jk.Gather(row_to_slot, K, "cp_async")
-    rows = meta.num_pool_rows
-    dy = torch.randn(T, H, device="cuda").bfloat16()
-    l2 = torch.randn(4, H, N, device="cuda").bfloat16()
-    jk.m_grouped_bf16_gemm_nn_contiguous(dy, l2, meta.starts, meta.ends, gather=gather)
-    act_w = torch.randn(rows, N, device="cuda").bfloat16()
-    d_l2 = jk.k_grouped_bf16_gemm_tn_contiguous(dy, act_w, meta.starts, meta.ends, gather_a=gather)
-    dh = torch.randn(rows, N, device="cuda").bfloat16()
-    d_l1 = jk.k_grouped_bf16_gemm_tn_contiguous(dh, dy, meta.starts, meta.ends, gather_b=gather)
-    torch.cuda.synchronize()
-    return "" if INITCHECK else _finite(d_l2, d_l1)
-
-
 def k_gemm_nn(H, N):
     fn = _wrapper("m_grouped_bf16_gemm_nn_contiguous")
     meta = _gemm_meta(77, 4, 3)
@@ -296,7 +275,6 @@ def run_kernel_cases():
         record(f"m_grouped nt H={H} N={N}", lambda: k_gemm_nt(H, N))
         record(f"m_grouped nt gather H={H} N={N}", lambda: k_gemm_nt_gather(H, N))
         record(f"m_grouped nn K={H} N={N}", lambda: k_gemm_nn(H, N))
-        record(f"backward gathers (cp.async) H={H} N={N}", lambda: k_gemm_backward_gathers(H, N))
         record(f"k_grouped tn M={N} N={H}", lambda: k_gemm_wgrad(N, H))
 
 

@@ -597,6 +597,10 @@ def test_plan_runs_fp8_on_our_sm90_kernels(monkeypatch):
     monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
     monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
     assert not sm90.gather_backward  # bf16 weight gradients: the GEMMs' gathers are slower than pools
+    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "1")  # bf16 weight gradients read pools regardless
+    for recipe in ("bf16", "fp8"):
+        assert not plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", recipe, "local")).gather_backward
+    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD")
     monkeypatch.setenv("DGE_FP8_WGRAD", "fp8")
     fp8_wgrad = plan.Plan.decode(resolve("cuda", 0, torch.bfloat16, *facts, "auto", "fp8", "local"))
     # fp8 weight gradients on ours: every backward operand is quantized by a gathering kernel.

@@ -1,5 +1,5 @@
-"""The gathering prologue of the SM90 grouped GEMM core: the L1 forward reads x's rows, the L2
-dgrad and dW2 read dy's rows, dW1 reads x's rows, all through row_to_slot.
+"""The gathering prologue of the SM90 grouped GEMM core: the L1 forward reads x's rows through
+row_to_slot (the backward's bf16 GEMMs read pools gathered once).
 
 GPU (Hopper): the gathered GEMM is bit-identical to gathering the pool first (gather_rows) and
 running the plain GEMM, on uniform / skewed / empty-expert /
@@ -49,25 +49,39 @@ def test_fused_gather_env(monkeypatch):
             _env.fused_gather()
 
 
-def test_k_grouped_gather_argument_checks():
+def test_only_the_l1_forward_gathers():
+    """The bf16 GEMMs gather the L1 forward's A ("nt") only: no gathering L2 dgrad or weight-gradient
+    kernel exists, and the provider refuses to be asked for one (the plan never does)."""
+    import types
+    from deep_gemm_ext.providers.base import Gather
+    from deep_gemm_ext.providers.sm90 import Sm90Provider
+    for layout in ("nn", "tn"):
+        with pytest.raises(ValueError, match=f"gather_a='cp_async' with layout='{layout}', expected layout='nt'"):
+            gg.GemmConfig(layout, 256, gather_a="cp_async")
     a = torch.zeros(128, 128, dtype=torch.bfloat16)
     se = torch.zeros(2, dtype=torch.int32)
-    g = gg.Gather(torch.zeros(128, dtype=torch.int32), 2)
-    with pytest.raises(ValueError, match="at most one gathered operand"):
-        gg.k_grouped_bf16_gemm_tn_contiguous(a, a, se, se, gather_a=g, gather_b=g)
+    with pytest.raises(TypeError):
+        gg.k_grouped_bf16_gemm_tn_contiguous(a, a, se, se, gather_a=gg.Gather(se, 2))
+    with pytest.raises(TypeError):
+        gg.m_grouped_bf16_gemm_nn_contiguous(a, a[None], se, se, gather=gg.Gather(se, 2))
+    bf16 = types.SimpleNamespace(fp8=False, fp8_wgrad=False)
+    g = Gather(se, 2)
+    for side in ("gather_a", "gather_b"):
+        with pytest.raises(ValueError, match="the bf16 weight gradients read pools gathered once"):
+            Sm90Provider().k_grouped(a, a, None, recipe=bf16, **{side: g})
+    with pytest.raises(ValueError, match="gather with layout='nn'"):
+        Sm90Provider().m_grouped(a, a[None], None, "nn", recipe=bf16, gather=g)
 
 
-@pytest.mark.parametrize("k_grouped,atoms", [(False, 1), (True, 2), (True, 4)])
 @pytest.mark.parametrize("whole_sectors", [False, True])
-def test_cp_async_gather_layout(k_grouped, atoms, whole_sectors):
+def test_cp_async_gather_layout(whole_sectors):
     """A model of GatherLayout's chunks (kernels/loader/sm90_gemm_loaders.cuh), as the loader issues them
     (whole_sectors, sector_chunk): every 16-byte chunk of the stage copied once, to its swizzled place;
     each instruction of a warp reads only whole 32-byte sectors and each quarter warp writes 8 different
     16-byte bank groups. The model's contrast (whole_sectors False: chunks 2q, 2q + 1, the loader's
     layout before) reads half sectors in each instruction, which the model must tell apart. The GPU
     tests check the bits."""
-    per_row = 4 * atoms if k_grouped else 4
-    rows = 64 if k_grouped else 128
+    per_row, rows = 4, 128
     step = 128 // per_row
     copied = {}
     for j in range(2):  # the thread's two chunks, as two instructions
@@ -75,28 +89,27 @@ def test_cp_async_gather_layout(k_grouped, atoms, whole_sectors):
             reads, quarters = {}, {}
             for lane in range(32):
                 t = 32 * warp + lane
-                sector = t % per_row
-                atom, q = sector // 4, sector % 4
+                q = t % per_row
                 for i in range(rows // step):
                     r = t // per_row + step * i
-                    c = q + 4 * ((r + atom + j) & 1) if whole_sectors else 2 * q + j
-                    key = (r, atom, c)
+                    c = q + 4 * ((r + j) & 1) if whole_sectors else 2 * q + j
+                    key = (r, c)
                     assert key not in copied, f"chunk {key} copied twice"
-                    copied[key] = atom * 8192 + r * 128 + ((c ^ (r % 8)) << 4)
-                    reads.setdefault((i, r, atom, c // 2), set()).add(c % 2)
+                    copied[key] = r * 128 + ((c ^ (r % 8)) << 4)
+                    reads.setdefault((i, r, c // 2), set()).add(c % 2)
                     quarters.setdefault((i, lane // 8), []).append((copied[key] % 128) // 16)
             halves = [len(v) for v in reads.values()]
             assert all(h == 2 for h in halves) == whole_sectors, "sectors read whole exactly with whole_sectors"
-            if whole_sectors or not k_grouped:
-                for slots in quarters.values():
-                    assert len(set(slots)) == 8, f"bank groups {slots} written twice in a quarter warp"
-    assert len(copied) == rows * atoms * 8
+            for slots in quarters.values():
+                assert len(set(slots)) == 8, f"bank groups {slots} written twice in a quarter warp"
+    assert len(copied) == rows * 8
 
 
 def test_gather_configs_exist():
     names = [c[0] for c in gg.configs()]
     assert "sm90_bf16_grouped_gemm_nt_n256_s4_gather_cpasync" in names
-    assert "sm90_bf16_grouped_gemm_nn_n256_s4_gather_cpasync" in names
+    assert not any("_nn_" in n and "gather" in n for n in names), "the L2 dgrad reads a pool"
+    assert not any("_tn_" in n and "gather" in n for n in names), "the weight gradients read pools"
     assert not any(n.endswith(("_gather", "_gather_sectors")) for n in names), "removed loaders"
 
 
@@ -163,10 +176,8 @@ def test_gather_out_of_range_slots_and_rows_read_zeros(mode):
 
 
 @requires_hopper
-@pytest.mark.parametrize("backward", ["0", "1"])
 @pytest.mark.parametrize("clamp", [None, 4.0])
-def test_layer_fused_gather_bit_identical(backward, clamp, monkeypatch):
-    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", backward)
+def test_layer_fused_gather_bit_identical(clamp, monkeypatch):
     x, idx, w, l1, l2 = make_inputs(300, 512, 256, 8, 4, routing="empty_experts", device="cuda", seed=11)
     dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
     results = {}
@@ -195,90 +206,16 @@ def test_layer_fused_gather_saves_x_not_pool(monkeypatch):
 
 
 @requires_hopper
-@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "unused_slots", "one_expert"])
-@pytest.mark.parametrize("hidden,n", [(2048, 768), (512, 200)])
-def test_gather_nn_bit_identical(routing, hidden, n):
-    """L2 dgrad with dy's rows gathered: da = dy[token(r)] @ l2[e]."""
-    from deep_gemm_ext import jit_kernels as jk
-    num_experts, top_k = 8, 4
-    dy, meta = _routed(333, num_experts, top_k, routing, hidden, seed=hidden + n)
-    l2 = (torch.randn(num_experts, hidden, n, device="cuda") / hidden ** 0.5).to(torch.bfloat16)
-    rows = meta.num_pool_rows
-    want = gg.m_grouped_bf16_gemm_nn_contiguous(jk.gather_rows(dy, meta.row_to_slot, top_k), l2, meta.starts,
-                                                meta.ends, _nan(rows, n))
-    got = gg.m_grouped_bf16_gemm_nn_contiguous(dy, l2, meta.starts, meta.ends, _nan(rows, n),
-                                               gather=gg.Gather(meta.row_to_slot, top_k))
-    used = meta.ends[-1].item()
-    assert not torch.isnan(got[:used].float()).any()
-    assert torch.equal(got[:used], want[:used])
-
-
-@requires_hopper
-@pytest.mark.parametrize("side", ["a", "b"])
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts", "unused_slots"])
-@pytest.mark.parametrize("m,n", [(768, 2048), (256, 200), (1536, 384)])
-def test_gather_k_grouped_bit_identical(side, routing, m, n):
-    """dW2 = dy_pool^T @ act_w with dy's rows gathered (side a); dW1 = dh^T @ x_pool with x's rows
-    gathered (side b); experts without rows give zeros."""
-    from deep_gemm_ext import jit_kernels as jk
-    num_experts, top_k = 12, 4
-    g = torch.Generator().manual_seed(m + n)
-    idx = make_routing(257, num_experts, top_k, routing, generator=g).cuda()
-    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
-    rows = meta.num_pool_rows
-    gather = gg.Gather(meta.row_to_slot, top_k)
-    if side == "a":  # a = dy [T, M] gathered, b = a pool [P, N]
-        tokens = torch.randn(257, m, generator=g).cuda().to(torch.bfloat16)
-        other = torch.randn(rows, n, generator=g).cuda().to(torch.bfloat16)
-        other[meta.row_to_slot < 0] = 0
-        want = gg.k_grouped_bf16_gemm_tn_contiguous(jk.gather_rows(tokens, meta.row_to_slot, top_k), other,
-                                                    meta.starts, meta.ends)
-        out = torch.full_like(want, float("nan"))
-        got = gg.k_grouped_bf16_gemm_tn_contiguous(tokens, other, meta.starts, meta.ends, out, gather_a=gather)
-    else:  # a = dh pool [P, M], b = x [T, N] gathered
-        other = torch.randn(rows, m, generator=g).cuda().to(torch.bfloat16)
-        tokens = torch.randn(257, n, generator=g).cuda().to(torch.bfloat16)
-        want = gg.k_grouped_bf16_gemm_tn_contiguous(other, jk.gather_rows(tokens, meta.row_to_slot, top_k),
-                                                    meta.starts, meta.ends)
-        out = torch.full_like(want, float("nan"))
-        got = gg.k_grouped_bf16_gemm_tn_contiguous(other, tokens, meta.starts, meta.ends, out, gather_b=gather)
-    assert not torch.isnan(got.float()).any(), "unwritten output (an empty expert must give zeros)"
-    assert torch.equal(got, want)
-
-
-@requires_hopper
-def test_layer_builds_no_pool(monkeypatch):
-    """With the fused gathers forward and backward (DGE_FUSED_GATHER_BACKWARD=1) no pool of x or dy is
-    built: gather_rows is never called (and the backward's memory peak is lower); without them,
-    twice (x, then dy)."""
-    from deep_gemm_ext import elementwise
-    monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", "1")
-    x, idx, w, l1, l2 = make_inputs(4096, 1024, 512, 16, 8, device="cuda", seed=3)
-    dy = torch.randn(4096, 1024, device="cuda").to(torch.bfloat16)
-    calls, peaks = [], {}
-    real = elementwise.gather_rows
-    monkeypatch.setattr(elementwise, "gather_rows", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    for flag in ("0", "cp_async"):
-        monkeypatch.setenv("DGE_FUSED_GATHER", flag)
-        calls.clear()
-        y = dge.mega_moe_train(x, idx, w, l1, l2)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        torch.autograd.grad(y, (x, w, l1, l2), dy)
-        torch.cuda.synchronize()
-        peaks[flag] = torch.cuda.max_memory_allocated() - base
-        assert len(calls) == (2 if flag == "0" else 0), (flag, calls)
-        del y
-    assert peaks["cp_async"] < peaks["0"], peaks
-
-
-@requires_hopper
-def test_layer_default_gathers_forward_only(monkeypatch):
-    """Default: the L1 forward gathers x itself; the backward builds the pools of dy and x."""
+@pytest.mark.parametrize("backward", [None, "1"])
+def test_layer_default_gathers_forward_only(backward, monkeypatch):
+    """Default: the L1 forward gathers x itself; the bf16 backward builds the pools of dy and x (also
+    under DGE_FUSED_GATHER_BACKWARD=1, which applies to fp8 weight gradients only)."""
     from deep_gemm_ext import elementwise
     monkeypatch.delenv("DGE_FUSED_GATHER", raising=False)
-    monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
+    if backward is None:
+        monkeypatch.delenv("DGE_FUSED_GATHER_BACKWARD", raising=False)
+    else:
+        monkeypatch.setenv("DGE_FUSED_GATHER_BACKWARD", backward)
     x, idx, w, l1, l2 = make_inputs(512, 512, 256, 8, 4, device="cuda", seed=4)
     calls = []
     real = elementwise.gather_rows

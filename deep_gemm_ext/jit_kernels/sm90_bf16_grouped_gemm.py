@@ -98,9 +98,10 @@ _STAGED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Buffers<{buffers}>",
 
 
 #: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool) or
-#: "cp_async" (the producer warpgroup gathers A's rows, or with gather_b B's, with cp.async
-#: instructions that each read whole 32-byte sectors).
-_LOADERS = {None: "dge::gemm::LoaderTma", "cp_async": "dge::gemm::LoaderGatherCpAsyncA"}
+#: "cp_async" (the producer warpgroup gathers A's rows with cp.async instructions that each read whole
+#: 32-byte sectors; the L1 forward's A, layout "nt" only: the backward's GEMMs read pools gathered
+#: once, which measured faster than GEMMs that gather, docs/perf-notes.md v39-v40).
+_LOADERS = {None: "dge::gemm::LoaderTma", "cp_async": "dge::gemm::LoaderGatherCpAsync"}
 GATHER_MODES = ("cp_async",)
 #: The cp.async gather that waits for rows still arriving from the expert-parallel dispatch
 #: (GemmConfig.await_rows; DGE_EP_OVERLAP), and the kernel arguments it reads after the core's.
@@ -110,7 +111,7 @@ AWAIT_ARGS = (KernelArg("await_arrivals", "const long long*"), KernelArg("await_
               KernelArg("await_rank", "int"), KernelArg("await_report", "unsigned long long"),
               KernelArg("await_m_order", "const int*"))
 #: What the waiting loader takes: the L1 forward's layout and gather, bf16, no clusters.
-_AWAIT_RULES = dict(layout="nt", gather_a="cp_async", gather_b=False, dtype="bf16", cluster_n=1)
+_AWAIT_RULES = dict(layout="nt", gather_a="cp_async", dtype="bf16", cluster_n=1)
 
 
 class Mainloop(NamedTuple):
@@ -178,7 +179,7 @@ def fp8_static_k_stages(shape_k: int, block_n: int = _FP8_BLOCK_N) -> int | None
 #: block and multicasts their shared B tile; same bits as 1. What it takes: the plain TMA loader and
 #: unpaired tiles.
 CLUSTER_SIZES = (1, 2)
-_CLUSTER_RULES = dict(gather_a=None, gather_b=False, paired_n=False)
+_CLUSTER_RULES = dict(gather_a=None, paired_n=False)
 #: Staging buffers per consumer warpgroup in the store epilogue (GemmConfig.epilogue_buffers). 2: 64 x 64
 #: chunks alternate between two 8 KiB buffers, so the third chunk of a 64 x 256 slice waits for the first
 #: one's TMA store to finish reading. 4: the whole slice is staged, the chunks of a tile never wait on
@@ -196,8 +197,7 @@ class GemmConfig:
     block_n: int
     paired_n: bool = False
     epilogue: str = "store"
-    gather_a: str | None = None  # gathering prologue ("cp_async"): A rows come from x via row_to_slot
-    gather_b: bool = False  # K-grouped only: B's rows gathered (cp.async)
+    gather_a: str | None = None  # gathering prologue ("cp_async", layout "nt"): A rows come from x via row_to_slot
     dtype: str = "bf16"  # operand type, a key of MAINLOOPS: "bf16" or "fp8" (blockwise-scaled e4m3)
     fp8_mainloop: str = "serial"  # dtype "fp8" only: the fp8 mainloop's schedule, a key of FP8_MAINLOOPS
     # CTAs per cluster (CLUSTER_SIZES): 2 pairs adjacent M blocks of one N block, which share the B
@@ -231,12 +231,12 @@ class GemmConfig:
         if self.dtype == "fp8" and self.layout == "k_nt":
             # The K-grouped fp8 GEMM: plain store of the [E, M, N] output, 128-wide tiles (its 32
             # per-column scales a thread beside two 64-register partial sets), either mainloop.
-            fp8 = dict(block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, gather_b=False, epilogue="store")
+            fp8 = dict(block_n=_FP8_BLOCK_N, paired_n=False, gather_a=None, epilogue="store")
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
             if wrong:
                 raise ValueError(f"GemmConfig: dtype='fp8' with layout='k_nt' takes {fp8}, got {wrong}")
         elif self.dtype == "fp8":
-            fp8 = dict(layout="nt", paired_n=False, gather_a=None, gather_b=False)
+            fp8 = dict(layout="nt", paired_n=False, gather_a=None)
             wrong = {k: getattr(self, k) for k, v in fp8.items() if getattr(self, k) != v}
             if self.block_n != _FP8_BLOCK_N and self.fp8_mainloop != "serial":
                 wrong["fp8_mainloop"] = self.fp8_mainloop  # two partial sets of a 192-wide slice do not fit
@@ -274,6 +274,9 @@ class GemmConfig:
             wrong = {k: getattr(self, k) for k, v in _AWAIT_RULES.items() if getattr(self, k) != v}
             if wrong:
                 raise ValueError(f"GemmConfig: await_rows=True takes {_AWAIT_RULES}, got {wrong}")
+        if self.gather_a and self.layout != "nt":
+            raise ValueError(f"GemmConfig: gather_a={self.gather_a!r} with layout={self.layout!r}, expected layout='nt' "
+                             f"(the L1 forward's A; the backward's GEMMs read pools)")
         if isinstance(self.shape_k, bool) or not isinstance(self.shape_k, int) or self.shape_k < 0:
             raise ValueError(f"GemmConfig: shape_k={self.shape_k!r}, expected a non-negative int (0: K at run time)")
         if self.shape_k:
@@ -306,8 +309,6 @@ class GemmConfig:
             name += f"_{self.epilogue}"
         if self.gather_a:
             name += "_gather_cpasync"
-        if self.gather_b:
-            name += "_gatherb_cpasync"
         if self.fp8_mainloop != "serial":
             name += f"_{self.fp8_mainloop}"
         if self.cluster_n > 1:
@@ -340,8 +341,7 @@ class GemmConfig:
             # The 192-wide fp8 tile's three chunks per slice all staged before their TMA stores: with
             # two buffers the third would wait inside the tile for the first one's store.
             epilogue_cpp = _STAGED_CPP["store"].format(buffers=3)
-        loader = ("dge::gemm::LoaderGatherCpAsyncB" if self.gather_b else _AWAIT_LOADER if self.await_rows
-                  else _LOADERS[self.gather_a])
+        loader = _AWAIT_LOADER if self.await_rows else _LOADERS[self.gather_a]
         mainloop = MAINLOOPS[self.dtype]
         mainloop_cpp = FP8_MAINLOOPS[self.fp8_mainloop] if self.dtype == "fp8" else mainloop.cpp
         if self.dtype == "bf16":  # the bf16 sources predate the element type: their text is unchanged
@@ -440,10 +440,6 @@ def _all_configs() -> list[GemmConfig]:
     # The combine epilogues of the layer: the L2 forward (weighted) and the L1 dgrad (unweighted).
     configs += [GemmConfig("nt", block_n, epilogue="scatter_weighted") for block_n in (256, 128)]
     configs += [GemmConfig("nn", block_n, epilogue="scatter") for block_n in (256, 128)]
-    # The backward's gathers (cp.async): dy rows for the L2 dgrad and dW2, x rows for dW1.
-    configs += [GemmConfig("nn", block_n, gather_a="cp_async") for block_n in (256, 128)]
-    configs += [GemmConfig("tn", block_n, gather_a="cp_async") for block_n in (256, 128)]
-    configs += [GemmConfig("tn", block_n, gather_b=True) for block_n in (256, 128)]
     # The L1 forward overlapped with the expert-parallel dispatch (DGE_EP_OVERLAP): the waiting
     # cp.async gather.
     configs += [GemmConfig("nt", block_n, gather_a="cp_async", await_rows=True) for block_n in (256, 128)]
@@ -760,10 +756,9 @@ def _pool_rows(gather: Gather | None, a: torch.Tensor) -> int:
 
 def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args: dict, starts, ends,
             shape_m: int, shape_n: int, shape_k: int, max_tiles: int, gather: Gather | None = None,
-            gather_src: torch.Tensor | None = None, mainloop_args: dict | None = None) -> None:
+            mainloop_args: dict | None = None) -> None:
     """``epi_args`` / ``mainloop_args``: the epilogue's / the mainloop's kernel arguments by name
-    (config.args declares them). With ``gather``, ``gather_src`` (default ``a``) is the token matrix
-    whose rows are gathered."""
+    (config.args declares them). With ``gather``, ``a`` is the token matrix whose rows are gathered."""
     kernel = config.kernel()
     a_map = jit.make_tma_2d(a, 64, STAGE_ROW_BYTES // a.element_size())
     smem = config.smem_bytes()
@@ -784,9 +779,8 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
         clusters = min(jit.num_sms(a.device) // config.cluster_n, resident, -(-max_tiles // config.cluster_n))
         grid = (max(1, clusters) * config.cluster_n, 1, 1)
     if gather is not None:
-        src = a if gather_src is None else gather_src
-        gather_args = dict(gather_row_to_slot=gather.row_to_slot, gather_top_k=gather.top_k, gather_x=src,
-                           gather_x_rows=src.shape[0])
+        gather_args = dict(gather_row_to_slot=gather.row_to_slot, gather_top_k=gather.top_k, gather_x=a,
+                           gather_x_rows=a.shape[0])
     else:  # placeholders: LoaderTma reads none of them
         gather_args = dict(gather_row_to_slot=starts, gather_top_k=1, gather_x=None, gather_x_rows=0)
     if config.await_rows:
@@ -915,74 +909,51 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None, *, gather: Gather | None = None,
-                                      scatter: Scatter | None = None, cluster_n: int = 1,
-                                      epilogue_buffers: int = 2) -> torch.Tensor:
+                                      out: torch.Tensor | None = None, *, scatter: Scatter | None = None,
+                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
-    K a multiple of 64. ``gather``: a is the token matrix (e.g. dy [T, H]), gathered by the GEMM.
-    ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for combine_slots).
-    ``cluster_n``, ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
+    K a multiple of 64. ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for
+    combine_slots). ``cluster_n``, ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, gather, scatter, cluster_n, epilogue_buffers)
+    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, epilogue_buffers)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None, *, gather_a: Gather | None = None,
-                                      gather_b: Gather | None = None, cluster_n: int = 1,
+                                      out: torch.Tensor | None = None, *, cluster_n: int = 1,
                                       epilogue_buffers: int = 2) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
-    a [P, M], b [P, N] bf16 pools (e.g. dh and x for dW1 [E, 2I, H]), M a multiple of 128. Experts
-    without rows get zeros. ``gather_a`` / ``gather_b`` (one at most, mode "cp_async"): that operand
-    is a token matrix (dy for dW2, x for dW1) whose rows the GEMM gathers. ``cluster_n``: CTAs per
-    cluster (CLUSTER_SIZES; 2 pairs adjacent M blocks of one expert, sharing B, without gathers).
-    ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
+    a [P, M], b [P, N] bf16 pools (e.g. dh and x's pool for dW1 [E, 2I, H]), M a multiple of 128.
+    Experts without rows get zeros. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 pairs adjacent M
+    blocks of one expert, sharing B). ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    key = checks_key("k", a, b, starts, ends, out, gather_a, gather_b, cluster_n, epilogue_buffers)
+    key = checks_key("k", a, b, starts, ends, out, cluster_n, epilogue_buffers)
     num_experts, rows, m, n, block_n, config = checked(key, lambda: _k_grouped_checks(
-        a, b, starts, ends, out, gather_a, gather_b, cluster_n, epilogue_buffers))
+        a, b, starts, ends, out, cluster_n, epilogue_buffers))
     if out is None:
         out = torch.empty((num_experts, m, n), dtype=torch.bfloat16, device=a.device)
     if num_experts == 0 or m == 0 or n == 0:
         return out
     if rows == 0:
         return out.zero_()
-    gather = gather_a if gather_a is not None else gather_b
-    a = _gather_operand("a", a, gather_a)
-    b = _gather_operand("b", b, gather_b)
     with jit.device_guard(a):
         _launch(config, a, jit.make_tma_2d(b, 64, 64), dict(tma_c=jit.make_tma_2d(out, 64, 64, rows=num_experts * m,
                                                                                   cols=n)),
-                starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n), gather,
-                gather_src=b if gather_b is not None else a)
+                starts, ends, m, n, rows, num_experts * (m // _BLOCK_M) * -(-n // block_n))
     return out
 
 
-def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, cluster_n, epilogue_buffers):
+def _k_grouped_checks(a, b, starts, ends, out, cluster_n, epilogue_buffers):
     """Every check of :func:`k_grouped_bf16_gemm_tn_contiguous` that its key settles;
     ``(E, rows, M, N, block_n, config)``, config None when there is nothing to compute."""
     _check_epilogue_buffers(epilogue_buffers)
-    if gather_a is not None and gather_b is not None:
-        raise ValueError("gather_a and gather_b: expected at most one gathered operand")
-    gather = gather_a if gather_a is not None else gather_b
-    _check_gather(gather)
-    if _await_of(gather) is not None:
-        raise ValueError("gather.await_rows: only the L1 forward (an 'nt' M-grouped GEMM) waits for arriving rows")
-    _check_cluster(cluster_n, gather=gather)
+    _check_cluster(cluster_n)
     num_experts = _check_inputs(a, b, 2, starts, ends)
-    if gather_a is not None:
-        rows = _pool_rows(gather_a, a)
-        if b.shape[0] != rows:
-            raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like gather_a.row_to_slot")
-    else:
-        rows = a.shape[0]
-        if gather_b is not None and _pool_rows(gather_b, b) != rows:
-            raise ValueError(f"gather_b.row_to_slot: {gather_b.row_to_slot.shape[0]} rows, expected {rows} pool "
-                             f"rows like a {tuple(a.shape)}")
-        if gather_b is None and b.shape[0] != rows:
-            raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like a {tuple(a.shape)}")
+    rows = a.shape[0]
+    if b.shape[0] != rows:
+        raise ValueError(f"b: shape {tuple(b.shape)}, expected {rows} pool rows like a {tuple(a.shape)}")
     m = a.shape[1]
     n = b.shape[1]
     if out is not None:
@@ -992,7 +963,6 @@ def _k_grouped_checks(a, b, starts, ends, out, gather_a, gather_b, cluster_n, ep
     if num_experts == 0 or m == 0 or n == 0 or rows == 0:
         return num_experts, rows, m, n, 0, None
     block_n = select_tile(n).block_n
-    config = cached_config("tn", block_n, gather_a="cp_async" if gather_a is not None else None,
-                           gather_b=gather_b is not None, cluster_n=cluster_n,
+    config = cached_config("tn", block_n, cluster_n=cluster_n,
                            epilogue_buffers=_staged_buffers(epilogue_buffers, block_n))
     return num_experts, rows, m, n, block_n, config

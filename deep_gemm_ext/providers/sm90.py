@@ -8,6 +8,8 @@ tokens and transposed: dh and act_w by the SwiGLU backward kernel that also quan
 (:class:`Fp8Cols` operands), x and dy by one kernel each straight from the token rows."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import elementwise
@@ -64,15 +66,21 @@ class Sm90Provider(GemmProvider):
         if recipe.fp8:
             return self._m_grouped_fp8(a, w, meta, layout, gather, epilogue, zero_unowned)
         k = _kernels
+        if gather is not None and layout != "nt":
+            raise ValueError(f"gather with layout={layout!r}: the bf16 GEMMs gather the L1 forward's A (layout 'nt') "
+                             f"only; the backward reads pools")
         g, a = _gather(gather, a)
-        gemm = k.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else k.m_grouped_bf16_gemm_nn_contiguous
+        if layout == "nt":
+            gemm = functools.partial(k.m_grouped_bf16_gemm_nt_contiguous, gather=g)
+        else:
+            gemm = k.m_grouped_bf16_gemm_nn_contiguous
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
-            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, gather=g)
+            return gemm(a, w, meta.starts, meta.ends, scatter=scatter)
         if zero_unowned:
             out = a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2])
-            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out, gather=g), meta)
-        return gemm(a, w, meta.starts, meta.ends, gather=g)
+            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out), meta)
+        return gemm(a, w, meta.starts, meta.ends)
 
     def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
         k = _kernels
@@ -109,9 +117,12 @@ class Sm90Provider(GemmProvider):
             at_q, sa = _fp8_cols("a", a, gather_a, rows)
             bt_q, sb = _fp8_cols("b", b, gather_b, rows)
             return k.k_grouped_fp8_gemm_nt_contiguous(at_q, sa, bt_q, sb, meta.starts, meta.ends)
-        ga, a = _gather(gather_a, a)
-        gb, b = _gather(gather_b, b)
-        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends, gather_a=ga, gather_b=gb)
+        if gather_a is not None or gather_b is not None:
+            # A K-grouped GEMM that gathers re-reads each row for every tile of its expert: 1.9-4.2x the
+            # time of the GEMM on a pool (docs/perf-notes.md v39), more than the pool's gathering pass.
+            raise ValueError("gather_a / gather_b: the bf16 weight gradients read pools gathered once; only the fp8 "
+                             "ones (DGE_FP8_WGRAD=fp8) gather, in their quantization kernels")
+        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends)
 
 
 def _fp8_cols(label: str, operand, gather: Gather | None, rows: int):

@@ -7,8 +7,8 @@
 //     A  [P, M] and B [P, N], both MN-major; D [E, M, N].
 //
 // Persistent, warp-specialized skeleton: warpgroup 2 is the producer, filling a kNumStages-deep
-// smem ring in tile order through the Loader policy (loader/sm90_gemm_loaders.cuh: TMA, gathered
-// TMA rows or a cp.async gather); warpgroups 0 and 1 are consumers, running the Mainloop policy
+// smem ring in tile order through the Loader policy (loader/sm90_gemm_loaders.cuh: TMA, or A's rows
+// gathered by cp.async); warpgroups 0 and 1 are consumers, running the Mainloop policy
 // (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32 registers) and handing the
 // accumulators of its 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
 // TMA stores, slot scatter). Both consumers work on every 128 x BLOCK_N tile, 64 rows each. The

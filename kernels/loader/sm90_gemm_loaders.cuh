@@ -23,19 +23,20 @@
 //   LoaderTma             both operands by TMA boxes of 64 rows x 128 bytes (64 x 64 bf16, 64 x 128
 //                         e4m3; one thread; B multicast in clusters). K-grouped e4m3 reads the
 //                         transposed pools At [M, P], Bt [N, P] K-major from the expert's first row.
-//   LoaderGatherCpAsync   (M-grouped K-major A, or K-grouped MN-major A, or with kGatherB K-grouped
-//                         MN-major B): the whole producer warpgroup copies the stage with 16-byte
-//                         cp.async, each thread two chunks of several rows (GatherLayout), issued
-//                         so that each cp.async instruction of a warp reads whole 32-byte sectors,
-//                         writing each chunk at its swizzled position; each thread's copies arrive
-//                         on the stage's full barrier (noinc).
+//   LoaderGatherCpAsync   (M-grouped K-major A: the L1 forward): the whole producer warpgroup
+//                         copies A's block with 16-byte cp.async, each thread two chunks of four
+//                         rows (GatherLayout), issued so that each cp.async instruction of a warp
+//                         reads whole 32-byte sectors, writing each chunk at its swizzled position;
+//                         each thread's copies arrive on the stage's full barrier (noinc). B is a
+//                         TMA load. (The K-grouped weight gradients read pools: a gather there
+//                         re-read each row for every tile of its expert, docs/perf-notes.md v39.)
 //   LoaderGatherCpAsyncAwait  LoaderGatherCpAsync of the M-grouped A whose token rows are still
 //                         being written by the expert-parallel dispatch (DGE_EP_OVERLAP): before a
 //                         tile's loads each producer warp waits until the source ranks of its rows
 //                         have arrived (see the struct).
-// Gathering loaders read one operand from a token matrix x [T, C] (x for the L1 forward and dW1,
-// dy for the L2 dgrad and dW2): pool row r reads x[row_to_slot[r] / top_k]; padding rows
-// (row_to_slot[r] < 0), slots past x and rows past the pool read zeros.
+// Gathering loaders read A from a token matrix x [T, K] (x for the L1 forward): pool row r reads
+// x[row_to_slot[r] / top_k]; padding rows (row_to_slot[r] < 0), slots past x and rows past the pool
+// read zeros.
 
 #include <cstdint>
 #include <cuda.h>
@@ -176,26 +177,20 @@ struct LoaderTma {
     }
 };
 
-// Which rows and 16-byte chunks of a gathered stage each producer thread copies.
-//   CpAsync, M-grouped A (128 rows x 1 atom of 64 columns): thread t owns sector q = t % 4 of rows
-//     t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
-//   CpAsync, K-grouped MN-major operand (64 pool rows x kAtoms atoms of 64 columns): a row has
-//     4 kAtoms sectors; thread t owns sector t % (4 kAtoms) (atom a, q = sector % 4) of rows
-//     t / (4 kAtoms) + step i.
-// A thread copies two 16-byte chunks per row and atom, as two instructions: chunk q + 4 ((r + a + j) % 2)
-// in instruction j (sector_chunk), not the two halves 2q, 2q + 1 of one sector. So the 4 threads of a
-// row and atom read chunks 0-3 or 4-7 in each instruction: whole 32-byte sectors, one L2 request per
-// sector (the two halves, one per instruction, would cost two; measured 0.83-0.87x the time of the L1
+// Which rows and 16-byte chunks of A's gathered block (128 rows x 64 columns: 128 bytes, four
+// 32-byte sectors a row) each producer thread copies: thread t owns sector q = t % 4 of rows
+// t / 4 + 32 i (i < 4); a warp reads 8 whole rows.
+// A thread copies two 16-byte chunks per row, as two instructions: chunk q + 4 ((r + j) % 2) in
+// instruction j (sector_chunk), not the two halves 2q, 2q + 1 of one sector. So the 4 threads of a
+// row read chunks 0-3 or 4-7 in each instruction: whole 32-byte sectors, one L2 request per sector
+// (the two halves, one per instruction, would cost two; measured 0.83-0.87x the time of the L1
 // forward's gather, docs/perf-notes.md v38). Every chunk is still copied once to the same place, and
-// the 8 lanes of a quarter warp (two rows, or two atoms of one row) write 8 different 16-byte bank
-// groups of the swizzled stage.
-template <bool kKGrouped, uint32_t kAtoms>
+// the 8 lanes of a quarter warp (two rows) write 8 different 16-byte bank groups of the swizzled stage.
 struct GatherLayout {
-    static constexpr uint32_t kSectorsPerRow = kKGrouped ? 4 * kAtoms : 4;
+    static constexpr uint32_t kSectorsPerRow = 4;
     static constexpr uint32_t kRowStep = 128 / kSectorsPerRow;
-    static constexpr uint32_t kRows = kKGrouped ? 64 : 128;
+    static constexpr uint32_t kRows = 128;
     static constexpr uint32_t kRowsPerThread = kRows / kRowStep;
-    static_assert(kRows % kRowStep == 0, "GatherLayout: rows must split evenly over the copiers");
     // A thread's rows share their parity, so its two chunks are the same for all of them.
     static_assert(kRowStep % 2 == 0, "GatherLayout: a thread's rows must have one parity");
     uint32_t first_row, sector;
@@ -203,22 +198,22 @@ struct GatherLayout {
     __device__ explicit GatherLayout(uint32_t thread)
         : first_row(thread / kSectorsPerRow), sector(thread % kSectorsPerRow) {}
     __device__ __forceinline__ uint32_t row(uint32_t i) const { return first_row + kRowStep * i; }
-    __device__ __forceinline__ uint32_t atom() const { return sector / 4; }         // 64-column atom
-    // The j-th (0, 1) 16-byte chunk this thread copies of each of its rows r in its atom:
-    // q + 4 ((r + atom + j) % 2), where r % 2 == first_row % 2.
+    // The j-th (0, 1) 16-byte chunk this thread copies of each of its rows r:
+    // q + 4 ((r + j) % 2), where r % 2 == first_row % 2.
     __device__ __forceinline__ uint32_t sector_chunk(uint32_t j) const {
-        return sector % 4 + 4 * ((first_row + atom() + j) & 1);
+        return sector + 4 * ((first_row + j) & 1);
     }
 };
 
-template <class Traits, bool kGatherB>
+template <class Traits>
 struct LoaderGatherCpAsync {
     static_assert(Traits::kClusterN == 1, "the gathering loaders are for GEMMs without clusters");
-    static_assert(!kGatherB || Traits::kKGrouped, "a gathered B is the MN-major operand of a K-grouped GEMM");
+    static_assert(!Traits::kKGrouped, "the gathering loaders gather the A of M-grouped GEMMs");
     static_assert(Traits::kElement == ElementType::BF16, "the gathering loaders read bf16 token rows");
+    static_assert(BLOCK_M == GatherLayout::kRows, "GatherLayout: one row of A's block per pool row");
     using Stages = StageLayout<Traits::BLOCK_N, Traits::kNumStages>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
-    using Gather = GatherLayout<Traits::kKGrouped, kGatherB ? Traits::BLOCK_N / 64 : 2>;
+    using Gather = GatherLayout;
     static constexpr uint32_t kNumArgs = 0;
     static constexpr bool kOrderedM = false;
     static constexpr uint32_t kCopyArrivals = 128;
@@ -228,7 +223,7 @@ struct LoaderGatherCpAsync {
     const Stages& stages;
     const Gather gather;
     const bool leader;
-    // M-grouped: the tile's gathered rows, fixed for all its k-blocks; K-grouped: the k-block's.
+    // The tile's gathered rows, fixed for all its k-blocks.
     int32_t src_rows[Gather::kRowsPerThread];
 
     __device__ static bool runs(uint32_t) { return true; }
@@ -236,11 +231,9 @@ struct LoaderGatherCpAsync {
         : args(args_), stages(stages_), gather(thread), leader(thread == 0) {}
 
     __device__ __forceinline__ void begin_tile(const sched::GroupedTile& tile) {
-        if constexpr (!Traits::kKGrouped) {
 #pragma unroll
-            for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
-                src_rows[i] = args.gather_source(tile.m_block * BLOCK_M + gather.row(i), args.shape_m);
-        }
+        for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
+            src_rows[i] = args.gather_source(tile.m_block * BLOCK_M + gather.row(i), args.shape_m);
     }
 
     template <class Pipe>
@@ -248,47 +241,26 @@ struct LoaderGatherCpAsync {
                                          const sched::GroupedTile& tile, const Columns& cols, uint32_t kb) {
         const uint32_t full = pipe.full(st.stage);
         const uint32_t k0 = kb * BLOCK_K;
-        // K-grouped: this k-block's 64 pool rows (looked up before the wait).
-        if constexpr (Traits::kKGrouped) {
-#pragma unroll
-            for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i)
-                src_rows[i] = args.gather_source(tile.k_row + k0 + gather.row(i), args.shape_k);
-        }
         // Every copier waits for the slot; the leader announces the TMA bytes only.
         ptx::mbarrier_wait(pipe.empty(st.stage), st.phase ^ 1);
         if (leader)
-            ptx::mbarrier_arrive_expect_tx(full, kGatherB ? Stages::kABytes : Stages::kBBytes);
-        const uint32_t dst = kGatherB ? stages.b(st.stage) : stages.a(st.stage);
+            ptx::mbarrier_arrive_expect_tx(full, Stages::kBBytes);
+        const uint32_t dst = stages.a(st.stage);
 #pragma unroll
         for (uint32_t i = 0; i < Gather::kRowsPerThread; ++i) {
             const uint32_t r = gather.row(i);
-            uint32_t col0, width;
-            if constexpr (!Traits::kKGrouped) {
-                col0 = k0;                                        // K-major A
-                width = args.shape_k;
-            } else if constexpr (kGatherB) {
-                col0 = cols.col(gather.atom());                   // MN-major B
-                width = args.shape_n;
-            } else {
-                col0 = tile.m_block * BLOCK_M + gather.atom() * 64;  // MN-major A
-                width = args.shape_m;
-            }
 #pragma unroll
             for (uint32_t j = 0; j < 2; ++j) {
                 const uint32_t c = gather.sector_chunk(j);
-                const uint32_t col = col0 + c * 8;  // rows are multiples of 8 columns
-                const bool live = src_rows[i] >= 0 && col < width;
-                const __nv_bfloat16* ptr = args.x + (live ? static_cast<uint64_t>(src_rows[i]) * width + col : 0);
-                ptx::cp_async_16(dst + gather.atom() * mma::kAtomBytes + r * 128 + ((c ^ (r % 8)) << 4), ptr,
-                                 live ? 16 : 0);
+                const uint32_t col = k0 + c * 8;  // rows are multiples of 8 columns
+                const bool live = src_rows[i] >= 0 && col < args.shape_k;
+                const __nv_bfloat16* ptr =
+                    args.x + (live ? static_cast<uint64_t>(src_rows[i]) * args.shape_k + col : 0);
+                ptx::cp_async_16(dst + r * 128 + ((c ^ (r % 8)) << 4), ptr, live ? 16 : 0);
             }
         }
         ptx::cp_async_mbarrier_arrive_noinc(full);
-        if (!leader)
-            return;
-        if constexpr (kGatherB)
-            TmaOperands<Traits>::load_a(args, stages, st.stage, tile, k0, full);
-        else
+        if (leader)
             TmaOperands<Traits>::load_b(args, stages, st.stage, tile, cols, k0, full);
     }
 };
@@ -315,8 +287,8 @@ struct LoaderGatherCpAsync {
 // order their rows arrive (kOrderedM: the scheduler walks them so, or every CTA would soon wait at a
 // tile of a late source, since each expert's rows run through all sources in slot order).
 template <class Traits>
-struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits, false> {
-    using Base = LoaderGatherCpAsync<Traits, false>;
+struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits> {
+    using Base = LoaderGatherCpAsync<Traits>;
     using typename Base::Stages;
     static_assert(!Traits::kKGrouped, "the waiting loader gathers the A of M-grouped GEMMs (the L1 forward)");
     static constexpr uint32_t kNumArgs = 7;
@@ -401,11 +373,5 @@ struct LoaderGatherCpAsyncAwait : LoaderGatherCpAsync<Traits, false> {
         __syncwarp();
     }
 };
-
-// The cp.async loader of A or of B, as one-parameter policies for the kernel template.
-template <class Traits>
-using LoaderGatherCpAsyncA = LoaderGatherCpAsync<Traits, false>;
-template <class Traits>
-using LoaderGatherCpAsyncB = LoaderGatherCpAsync<Traits, true>;
 
 }  // namespace dge::gemm
