@@ -725,13 +725,11 @@ def _await_of(gather: Gather | None) -> AwaitRows | None:
     return gather.await_rows if gather is not None and len(gather) > 3 else None
 
 
-def _check_await_source(gather: Gather | None, x: torch.Tensor, layout: str = "nt") -> None:
+def _check_await_source(gather: Gather | None, x: torch.Tensor) -> None:
     """The waiting loader reads x_r [W * capacity, K] in place, on the arrivals' device."""
     w = _await_of(gather)
     if w is None:
         return
-    if layout != "nt":
-        raise ValueError(f"gather.await_rows with layout {layout!r}: only the L1 forward ('nt') waits for rows")
     world = w.arrivals.shape[0]
     if x.shape[0] != world * w.capacity:
         raise ValueError(f"x: shape {tuple(x.shape)} with gather.await_rows: expected W * capacity = {world} * "
@@ -799,23 +797,18 @@ def _launch(config: GemmConfig, a: torch.Tensor, b_map: jit.TensorMap, epi_args:
     kernel.launch_bytes(grid, (_THREADS, 1, 1), layout, payload, smem=smem, cluster=cluster)
 
 
-def _gather_operand(label: str, src: torch.Tensor, gather: Gather | None):
-    """The token matrix a gathering GEMM reads (``src`` unchanged without a gather). An empty one is
-    replaced by one zero row, since every pool row then reads zeros anyway; cp.async needs 16-byte
-    aligned rows."""
+def _gather_source(x: torch.Tensor, gather: Gather | None):
+    """The token matrix the L1 forward's gather reads (``x`` unchanged without a gather). An empty one is
+    replaced by one zero row, since every pool row then reads zeros anyway; cp.async copies 16-byte
+    chunks, so the rows need 16-byte alignment."""
     if gather is None:
-        return src
-    if src.shape[0] == 0:
-        src = src.new_zeros(1, src.shape[1])
-    _check_cp_async_source(label, src)
-    return src
-
-
-def _check_cp_async_source(label: str, src: torch.Tensor) -> None:
-    """cp.async copies 16-byte chunks: the gathered rows need 16-byte alignment."""
-    if src.data_ptr() % 16 or src.shape[-1] % 8:
-        raise ValueError(f"{label}: data_ptr() % 16 = {src.data_ptr() % 16}, {src.shape[-1]} columns: expected a "
+        return x
+    if x.shape[0] == 0:
+        x = x.new_zeros(1, x.shape[1])
+    if x.data_ptr() % 16 or x.shape[-1] % 8:
+        raise ValueError(f"a: data_ptr() % 16 = {x.data_ptr() % 16}, {x.shape[-1]} columns: expected a "
                          f"16-byte aligned tensor with a multiple of 8 columns for the cp.async gather")
+    return x
 
 
 def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int, n: int) -> dict:
@@ -838,8 +831,8 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
     if config is None:  # nothing to compute
         return out
-    _check_await_source(gather, a, layout)
-    a = _gather_operand("a", a, gather)
+    _check_await_source(gather, a)
+    a = _gather_source(a, gather)
     with jit.device_guard(a):
         b_map = (jit.make_tma_2d(b, 64, 64, rows=num_experts * n, cols=k) if layout == "nt"
                  else jit.make_tma_2d(b, 64, 64, rows=num_experts * k, cols=n))
