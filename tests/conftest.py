@@ -19,6 +19,22 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs an SM90 (Hopper) GPU")
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The config names the bf16 GEMM launchers ran, in order (a test checks which kernel ran)."""
+    from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+
+    names = []
+    launch = gg._launch
+
+    def spy(config, *args, **kwargs):
+        names.append(config.name)
+        return launch(config, *args, **kwargs)
+
+    monkeypatch.setattr(gg, "_launch", spy)
+    return names
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plans():
     """Each test resolves its own plans: one that replaced a provider's attribute leaves no plan made

@@ -20,7 +20,6 @@ import dataclasses
 import re
 import shutil
 import subprocess
-import zlib
 
 import pytest
 import torch
@@ -33,7 +32,8 @@ from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
 
 from conftest import requires_compiler, requires_hopper
-from gpu_utils import assert_close_where_owned, m_grouped_reference
+from gpu_utils import (assert_close_where_owned, assert_same_bits, case_seed, k_grouped_case, k_grouped_reference,
+                       m_grouped_case, m_grouped_reference, nan_bf16, ragged_pool, routed_pool, scatter_case)
 
 _CUOBJDUMP = shutil.which("cuobjdump") or (
     "/usr/local/cuda/bin/cuobjdump" if shutil.which("/usr/local/cuda/bin/cuobjdump") else None)
@@ -117,43 +117,12 @@ def test_cluster_configs_compile(config):
 # -- GPU ----------------------------------------------------------------------------------------------------
 
 
-def _seed(*key) -> int:
-    """A seed per case, the same in every process (printed in the failure messages)."""
-    return zlib.crc32(repr(key).encode()) % 10_000
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
-def _nan(*shape):
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _same_bits(c1: torch.Tensor, c2: torch.Tensor, what: str) -> None:
-    torch.cuda.synchronize()
-    diff = (_bits(c1) != _bits(c2)).nonzero()
-    assert diff.numel() == 0, (f"{what}: cluster 2 differs from cluster 1 at {diff.shape[0]} elements, first "
-                               f"{diff[:4].tolist()}")
-
-
-def _hand_pool(seed: int):
-    """starts/ends with every tail of the pairing over 11 used blocks: pairs (0,1) e0; (2,3) e1; (4,5)
-    e1 and a block no expert owns (the second CTA runs its partner's tile unstored); (6,7) e3; (8,9)
-    e3 | e4 (straddling: no multicast); (10, -) e5 and no block (past ends[-1]); expert 2 empty; one
-    pool block past ends[-1]."""
-    starts = torch.tensor([0, 256, 640, 768, 1152, 1280], dtype=torch.int32)
-    ends = torch.tensor([256, 640, 640, 1152, 1280, 1408], dtype=torch.int32)
-    return starts.cuda(), ends.cuda(), 1408 + 128  # one more pool row block past ends[-1]
-
-
-def _routed_pool(num_tokens: int, num_experts: int, top_k: int, routing: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
-    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
-    return meta.starts, meta.ends, meta.num_pool_rows
-
-
+    assert_same_bits(c1, c2, what, "cluster 2 differs from cluster 1")
 
 
 _M_POOLS = [("hand", 0), ("uniform", 777), ("zipf", 600), ("empty_experts", 500), ("one_expert", 300),
@@ -163,9 +132,13 @@ _M_SHAPES = [(768, 512), (1024, 256), (384, 320), (200, 136)]
 
 
 def _pool(kind: str, tokens: int, seed: int):
+    """"hand": every tail of the pairing over 11 used blocks (gpu_utils.ragged_pool): pairs (0,1) e0; (2,3)
+    e1; (4,5) e1 and a block no expert owns (the second CTA runs its partner's tile unstored); (6,7) e3;
+    (8,9) e3 | e4 (straddling: no multicast); (10, -) e5 and no block (past ends[-1]); expert 2 empty; one
+    pool block past ends[-1]."""
     if kind == "hand":
-        return _hand_pool(seed)
-    return _routed_pool(tokens, 16, 4, kind, seed)
+        return ragged_pool()
+    return routed_pool(tokens, 16, 4, kind, seed)
 
 
 @requires_hopper
@@ -173,22 +146,11 @@ def _pool(kind: str, tokens: int, seed: int):
 @pytest.mark.parametrize("n,k", _M_SHAPES)
 @pytest.mark.parametrize("layout", ["nt", "nn"])
 def test_bf16_m_grouped_clusters(kind, tokens, n, k, layout):
-    seed = _seed(kind, tokens, n, k, layout)
-    starts, ends, rows = _pool(kind, tokens, seed)
-    if layout == "nn" and k % 64:
-        k += 64 - k % 64  # [E, K, N] weights are read in whole 64-deep k-blocks
-    g = torch.Generator().manual_seed(seed)
-    num_experts = starts.shape[0]
-    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
-    shape = (num_experts, n, k) if layout == "nt" else (num_experts, k, n)
-    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
-    what = f"{layout} {kind} T={tokens} N={n} K={k} seed={seed}"
-    c1 = fn(a, b, starts, ends, _nan(rows, n))
-    c2 = fn(a, b, starts, ends, _nan(rows, n), cluster_n=2)
-    _same_bits(c1, c2, what)
-    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    assert_close_where_owned(c2, m_grouped_reference(a, w_of, starts, ends, n), what)
+    c = m_grouped_case(kind, tokens, n, k, layout, _pool)
+    c1 = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n))
+    c2 = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=2)
+    _same_bits(c1, c2, c.what)
+    assert_close_where_owned(c2, m_grouped_reference(c.a, c.w_of, c.starts, c.ends, n), c.what)
 
 
 @requires_hopper
@@ -198,30 +160,18 @@ def test_bf16_m_grouped_clusters(kind, tokens, n, k, layout):
 def test_bf16_scatter_clusters(kind, tokens, weighted, layout):
     if kind == "hand":
         pytest.skip("the scatter epilogues take a routed pool (row_to_slot)")
-    seed = _seed(kind, tokens, weighted, layout)
-    g = torch.Generator().manual_seed(seed)
-    idx = make_routing(tokens, 16, 4, kind, generator=g).cuda()
-    meta = compute_routing_torch(idx, 16, gg.GROUP_ALIGNMENT)
-    rows, n, k, slots = meta.num_pool_rows, 768, 512, tokens * 4
-    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
-    shape = (16, n, k) if layout == "nt" else (16, k, n)
-    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    weights = torch.rand(tokens, 4, generator=g).cuda() if weighted else None
-    scatter = gg.Scatter(meta.row_to_slot, slots, weights)
-    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
+    seed = case_seed(kind, tokens, weighted, layout)
+    n = 768
+    c = scatter_case(kind, tokens, n, 512, layout, weighted, seed)
+    meta = c.meta
     what = f"{layout} scatter weighted={weighted} {kind} T={tokens} seed={seed}"
-    c1 = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter)
-    c2 = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter, cluster_n=2)
+    c1 = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter)
+    c2 = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter, cluster_n=2)
     _same_bits(c1, c2, what)
-    store = fn(a, b, meta.starts, meta.ends, _nan(rows, n))
-    live = meta.slot_to_row >= 0
-    ref = torch.full((slots, n), float("nan"), dtype=torch.float64, device="cuda")
-    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    pool_ref = m_grouped_reference(a, w_of, meta.starts, meta.ends, n)
-    ref[live] = pool_ref[meta.slot_to_row[live].long()] * (
-        weights.reshape(-1)[live].double()[:, None] if weighted else 1.0)
-    assert_close_where_owned(c2, ref, what)
+    store = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.rows, n))
+    assert_close_where_owned(c2, c.reference(), what)
     if not weighted:  # the unweighted scatter moves the stored rows unchanged
+        live = meta.slot_to_row >= 0
         assert torch.equal(_bits(c2[live]), _bits(store[meta.slot_to_row[live].long()])), what
 
 
@@ -231,18 +181,12 @@ def test_bf16_scatter_clusters(kind, tokens, weighted, layout):
 @pytest.mark.parametrize("m,n", [(384, 768), (256, 1024), (640, 200)])
 def test_bf16_k_grouped_clusters(kind, tokens, m, n):
     """M = 384 and 640: an odd number of M blocks per expert (the last pair's second CTA duplicates)."""
-    seed = _seed(kind, tokens, m, n)
-    starts, ends, rows = _routed_pool(tokens, 16, 4, kind, seed)
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(rows, m, generator=g).cuda().to(torch.bfloat16)
-    b = torch.randn(rows, n, generator=g).cuda().to(torch.bfloat16)
-    what = f"tn {kind} T={tokens} M={m} N={n} seed={seed}"
-    c1 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n))
-    c2 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n), cluster_n=2)
+    c = k_grouped_case(kind, tokens, m, n)
+    starts, ends, a, b, what = c.starts, c.ends, c.a, c.b, c.what
+    c1 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, nan_bf16(16, m, n))
+    c2 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, nan_bf16(16, m, n), cluster_n=2)
     _same_bits(c1, c2, what)
-    ref = torch.zeros(16, m, n, dtype=torch.float64, device="cuda")
-    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
-        ref[e] = a[s:t].double().T @ b[s:t].double()
+    ref = k_grouped_reference(a, b, starts, ends)
     assert not torch.isnan(c2.float()).any(), f"{what}: elements left unwritten"
     err = ((c2.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err < 1e-2, f"{what}: rel error {err:.2e}"
@@ -262,13 +206,13 @@ def _fp8_operands(rows: int, k: int, e: int, n: int, seed: int):
 @pytest.mark.parametrize("n,k", [(768, 512), (384, 272), (200, 144), (2048, 768)])
 @pytest.mark.parametrize("mainloop", fg.MAINLOOP_SCHEDULES)
 def test_fp8_m_grouped_clusters(kind, tokens, n, k, mainloop):
-    seed = _seed(kind, tokens, n, k, mainloop)
+    seed = case_seed(kind, tokens, n, k, mainloop)
     starts, ends, rows = _pool(kind, tokens, seed)
     a_q, sa, b_q, sb = _fp8_operands(rows, k, starts.shape[0], n, seed)
     what = f"fp8 {mainloop} {kind} T={tokens} N={n} K={k} seed={seed}"
     run = fg.m_grouped_fp8_gemm_nt_contiguous
-    c1 = run(a_q, sa, b_q, sb, starts, ends, _nan(rows, n), mainloop=mainloop)
-    c2 = run(a_q, sa, b_q, sb, starts, ends, _nan(rows, n), mainloop=mainloop, cluster_n=2)
+    c1 = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), mainloop=mainloop)
+    c2 = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), mainloop=mainloop, cluster_n=2)
     _same_bits(c1, c2, what)
     emu = recipe.emulate_grouped_gemm_nt(a_q, sa, b_q, sb, starts, ends)
     ref = torch.full((rows, n), float("nan"), dtype=torch.float64, device="cuda")
@@ -282,7 +226,7 @@ def test_fp8_m_grouped_clusters(kind, tokens, n, k, mainloop):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("mainloop", fg.MAINLOOP_SCHEDULES)
 def test_fp8_scatter_clusters(kind, tokens, weighted, mainloop):
-    seed = _seed(kind, tokens, weighted, mainloop)
+    seed = case_seed(kind, tokens, weighted, mainloop)
     g = torch.Generator().manual_seed(seed)
     idx = make_routing(tokens, 16, 4, kind, generator=g).cuda()
     meta = compute_routing_torch(idx, 16, gg.GROUP_ALIGNMENT)
@@ -292,8 +236,8 @@ def test_fp8_scatter_clusters(kind, tokens, weighted, mainloop):
     scatter = gg.Scatter(meta.row_to_slot, slots, weights)
     what = f"fp8 {mainloop} scatter weighted={weighted} {kind} T={tokens} seed={seed}"
     run = fg.m_grouped_fp8_gemm_nt_contiguous
-    c1 = run(a_q, sa, b_q, sb, meta.starts, meta.ends, _nan(slots, n), scatter=scatter, mainloop=mainloop)
-    c2 = run(a_q, sa, b_q, sb, meta.starts, meta.ends, _nan(slots, n), scatter=scatter, mainloop=mainloop,
+    c1 = run(a_q, sa, b_q, sb, meta.starts, meta.ends, nan_bf16(slots, n), scatter=scatter, mainloop=mainloop)
+    c2 = run(a_q, sa, b_q, sb, meta.starts, meta.ends, nan_bf16(slots, n), scatter=scatter, mainloop=mainloop,
              cluster_n=2)
     _same_bits(c1, c2, what)
     live = meta.slot_to_row >= 0
@@ -309,7 +253,7 @@ def test_clusters_without_rows():
     assert gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, cluster_n=2).shape == (0, 768)
     # Rows in the pool, none owned by an expert: nothing written.
     a = torch.randn(256, 256, device="cuda").to(torch.bfloat16)
-    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, _nan(256, 768), cluster_n=2)
+    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, nan_bf16(256, 768), cluster_n=2)
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all()
 
@@ -317,7 +261,7 @@ def test_clusters_without_rows():
 @requires_hopper
 def test_cluster_grid_is_whole_clusters(monkeypatch, capfd):
     monkeypatch.setenv("DGE_PRINT_CONFIGS", "1")
-    starts, ends, rows = _routed_pool(777, 16, 4, "uniform", 3)
+    starts, ends, rows = routed_pool(777, 16, 4, "uniform", 3)
     a = torch.randn(rows, 256, device="cuda").to(torch.bfloat16)
     b = torch.randn(16, 768, 256, device="cuda").to(torch.bfloat16)
     gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, cluster_n=2)

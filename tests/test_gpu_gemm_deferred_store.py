@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import subprocess
-import zlib
 
 import pytest
 import torch
@@ -31,28 +29,15 @@ import torch
 import deep_gemm_ext as dge
 from deep_gemm_ext import _env, jit
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
-from deep_gemm_ext.routing import compute_routing_torch
-from deep_gemm_ext.testing import make_inputs, make_routing
+from deep_gemm_ext.testing import make_inputs
 
 from conftest import requires_compiler, requires_hopper
-from gpu_utils import assert_close_where_owned, m_grouped_reference
+from gpu_utils import (assert_close_where_owned, assert_same_bits, case_seed, find_cuobjdump, gather_case,
+                       k_grouped_case, k_grouped_reference, m_grouped_case, m_grouped_reference, nan_bf16,
+                       ragged_pool, routed_pool, scatter_case)
 
 
-def _find_cuobjdump():
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia  # the nvidia-cuda-cuobjdump wheel
-        for root in nvidia.__path__:
-            for candidate in sorted(__import__("pathlib").Path(root).glob("*/bin/cuobjdump")):
-                return str(candidate)
-    except ImportError:
-        pass
-    return "/usr/local/cuda/bin/cuobjdump" if shutil.which("/usr/local/cuda/bin/cuobjdump") else None
-
-
-_CUOBJDUMP = _find_cuobjdump()
+_CUOBJDUMP = find_cuobjdump()
 
 
 # -- CPU ----------------------------------------------------------------------------------------------------
@@ -174,34 +159,8 @@ def test_deferred_configs_compile(config):
 # -- GPU ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The config names the launchers ran, in order."""
-    names = []
-    launch = gg._launch
-
-    def spy(config, *args, **kwargs):
-        names.append(config.name)
-        return launch(config, *args, **kwargs)
-
-    monkeypatch.setattr(gg, "_launch", spy)
-    return names
-
-
-def _seed(*key) -> int:
-    """A seed per case, the same in every process (printed in the failure messages)."""
-    return zlib.crc32(repr(key).encode()) % 10_000
-
-
-def _nan(*shape):
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _same_bits(plain: torch.Tensor, deferred: torch.Tensor, what: str) -> None:
-    torch.cuda.synchronize()
-    diff = (plain.view(torch.int16) != deferred.view(torch.int16)).nonzero()
-    assert diff.numel() == 0, (f"{what}: the deferred store differs from the default at {diff.shape[0]} "
-                               f"elements, first {diff[:4].tolist()}")
+    assert_same_bits(plain, deferred, what, "the deferred store differs from the inline one")
 
 
 def _check_ran(names: list[str], what: str) -> None:
@@ -210,22 +169,8 @@ def _check_ran(names: list[str], what: str) -> None:
     assert names[1] == names[0] + "_deferred", f"{what}: the deferred run launched {names[1]}"
 
 
-def _hand_pool():
-    """Expert 2 empty, ragged expert sizes, one pool block past ends[-1]."""
-    starts = torch.tensor([0, 256, 640, 768, 1152, 1280], dtype=torch.int32)
-    ends = torch.tensor([256, 640, 640, 1152, 1280, 1408], dtype=torch.int32)
-    return starts.cuda(), ends.cuda(), 1408 + 128
-
-
-def _routed_pool(num_tokens: int, num_experts: int, top_k: int, routing: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
-    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
-    return meta.starts, meta.ends, meta.num_pool_rows
-
-
 def _pool(kind: str, tokens: int, seed: int):
-    return _hand_pool() if kind == "hand" else _routed_pool(tokens, 16, 4, kind, seed)
+    return ragged_pool() if kind == "hand" else routed_pool(tokens, 16, 4, kind, seed)
 
 
 _M_POOLS = [("hand", 0), ("uniform", 777), ("zipf", 600), ("empty_experts", 500), ("one_expert", 300),
@@ -240,23 +185,12 @@ _M_SHAPES = [(768, 512), (1024, 64), (200, 136), (1000, 320), (384, 320), (640, 
 @pytest.mark.parametrize("n,k", _M_SHAPES)
 @pytest.mark.parametrize("layout", ["nt", "nn"])
 def test_m_grouped_deferred(kind, tokens, n, k, layout, launched):
-    seed = _seed(kind, tokens, n, k, layout)
-    starts, ends, rows = _pool(kind, tokens, seed)
-    if layout == "nn" and k % 64:
-        k += 64 - k % 64  # [E, K, N] weights are read in whole 64-deep k-blocks
-    g = torch.Generator().manual_seed(seed)
-    num_experts = starts.shape[0]
-    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
-    shape = (num_experts, n, k) if layout == "nt" else (num_experts, k, n)
-    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
-    what = f"{layout} {kind} T={tokens} N={n} K={k} seed={seed}"
-    plain = fn(a, b, starts, ends, _nan(rows, n))
-    deferred = fn(a, b, starts, ends, _nan(rows, n), deferred_store=True)
-    _check_ran(launched, what)
-    _same_bits(plain, deferred, what)
-    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    assert_close_where_owned(plain, m_grouped_reference(a, w_of, starts, ends, n), what)
+    c = m_grouped_case(kind, tokens, n, k, layout, _pool)
+    plain = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n))
+    deferred = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), deferred_store=True)
+    _check_ran(launched, c.what)
+    _same_bits(plain, deferred, c.what)
+    assert_close_where_owned(plain, m_grouped_reference(c.a, c.w_of, c.starts, c.ends, n), c.what)
 
 
 @requires_hopper
@@ -266,19 +200,13 @@ def test_m_grouped_deferred(kind, tokens, n, k, layout, launched):
 def test_k_grouped_deferred(kind, tokens, m, n, launched):
     """Experts without rows are tiles without k-blocks (zeros stored; the previous slice goes out whole
     before them); few tokens give tiles of one k-block."""
-    seed = _seed(kind, tokens, m, n)
-    starts, ends, rows = _routed_pool(tokens, 16, 4, kind, seed)
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(rows, m, generator=g).cuda().to(torch.bfloat16)
-    b = torch.randn(rows, n, generator=g).cuda().to(torch.bfloat16)
-    what = f"tn {kind} T={tokens} M={m} N={n} seed={seed}"
-    plain = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n))
-    deferred = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n), deferred_store=True)
+    c = k_grouped_case(kind, tokens, m, n)
+    starts, ends, a, b, what = c.starts, c.ends, c.a, c.b, c.what
+    plain = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, nan_bf16(16, m, n))
+    deferred = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, nan_bf16(16, m, n), deferred_store=True)
     _check_ran(launched, what)
     _same_bits(plain, deferred, what)
-    ref = torch.zeros(16, m, n, dtype=torch.float64, device="cuda")
-    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
-        ref[e] = a[s:t].double().T @ b[s:t].double()
+    ref = k_grouped_reference(a, b, starts, ends)
     assert not torch.isnan(deferred.float()).any(), f"{what}: elements left unwritten"
     empty = (ends == starts).nonzero().flatten().tolist()
     assert all((deferred[e].float() == 0).all() for e in empty), f"{what}: experts without rows not zero"
@@ -290,22 +218,14 @@ def test_k_grouped_deferred(kind, tokens, m, n, launched):
 @pytest.mark.parametrize("n", [1536, 384])
 def test_deferred_with_gather(n, launched):
     """The L1 forward's gathering loader (cp.async, generic-proxy writes) under the deferred store."""
-    seed = _seed("gather", n)
-    g = torch.Generator().manual_seed(seed)
-    tokens, experts, top_k, k = 600, 16, 4, 320
-    idx = make_routing(tokens, experts, top_k, "zipf", generator=g).cuda()
-    meta = compute_routing_torch(idx, experts, gg.GROUP_ALIGNMENT)
-    rows = meta.num_pool_rows
-    x = torch.randn(tokens, k, generator=g).cuda().to(torch.bfloat16)
-    b = (torch.randn(experts, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    pool = torch.zeros(rows, k, dtype=torch.bfloat16, device="cuda")
-    live = meta.row_to_slot >= 0
-    pool[live] = x[meta.row_to_slot[live].long() // top_k]
+    seed = case_seed("gather", n)
+    c = gather_case(seed, n, 320)
+    meta, rows, x, b, pool, top_k = c.meta, c.rows, c.x, c.b, c.pool, c.top_k
     gather = gg.Gather(meta.row_to_slot, top_k, "cp_async")
     what = f"gather N={n} seed={seed}"
     run = gg.m_grouped_bf16_gemm_nt_contiguous
-    plain = run(x, b, meta.starts, meta.ends, _nan(rows, n), gather=gather)
-    deferred = run(x, b, meta.starts, meta.ends, _nan(rows, n), gather=gather, deferred_store=True)
+    plain = run(x, b, meta.starts, meta.ends, nan_bf16(rows, n), gather=gather)
+    deferred = run(x, b, meta.starts, meta.ends, nan_bf16(rows, n), gather=gather, deferred_store=True)
     _check_ran(launched, what)
     _same_bits(plain, deferred, what)
     assert_close_where_owned(deferred, m_grouped_reference(pool, lambda e: b[e].T, meta.starts, meta.ends, n),
@@ -320,29 +240,15 @@ def test_deferred_with_gather(n, launched):
 def test_scatter_deferred(kind, tokens, weighted, layout, n, k, launched):
     """The combine epilogues deferred: every slot written as by the inline epilogue, bit for bit; 128-wide
     tiles (N = 384: one part), one k-block (K = 64: part 1 goes out after the next mainloop)."""
-    seed = _seed(kind, tokens, weighted, layout, n, k)
-    g = torch.Generator().manual_seed(seed)
-    idx = make_routing(tokens, 16, 4, kind, generator=g).cuda()
-    meta = compute_routing_torch(idx, 16, gg.GROUP_ALIGNMENT)
-    rows, slots = meta.num_pool_rows, tokens * 4
-    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
-    shape = (16, n, k) if layout == "nt" else (16, k, n)
-    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    weights = torch.rand(tokens, 4, generator=g).cuda() if weighted else None
-    scatter = gg.Scatter(meta.row_to_slot, slots, weights)
-    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
+    seed = case_seed(kind, tokens, weighted, layout, n, k)
+    c = scatter_case(kind, tokens, n, k, layout, weighted, seed)
     what = f"{layout} scatter weighted={weighted} {kind} T={tokens} N={n} K={k} seed={seed}"
-    plain = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter)
-    deferred = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter, deferred_store=True)
+    plain = c.fn(c.a, c.b, c.meta.starts, c.meta.ends, nan_bf16(c.slots, n), scatter=c.scatter)
+    deferred = c.fn(c.a, c.b, c.meta.starts, c.meta.ends, nan_bf16(c.slots, n), scatter=c.scatter,
+                    deferred_store=True)
     _check_ran(launched, what)
     _same_bits(plain, deferred, what)
-    live = meta.slot_to_row >= 0
-    ref = torch.full((slots, n), float("nan"), dtype=torch.float64, device="cuda")
-    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    pool_ref = m_grouped_reference(a, w_of, meta.starts, meta.ends, n)
-    ref[live] = pool_ref[meta.slot_to_row[live].long()] * (
-        weights.reshape(-1)[live].double()[:, None] if weighted else 1.0)
-    assert_close_where_owned(deferred, ref, what)
+    assert_close_where_owned(deferred, c.reference(), what)
 
 
 @requires_hopper
@@ -354,7 +260,7 @@ def test_deferred_without_rows(launched):
     assert launched == []
     # Rows in the pool, none owned by an expert: nothing written.
     a = torch.randn(256, 256, device="cuda").to(torch.bfloat16)
-    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, _nan(256, 768), deferred_store=True)
+    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, nan_bf16(256, 768), deferred_store=True)
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all()
 
@@ -364,15 +270,15 @@ def test_deferred_without_rows(launched):
 def test_deferred_many_tiles_per_cta(k, launched):
     """Many tiles per persistent CTA with one or two k-blocks each: every slice's parts ride on the next
     tile's only k-blocks, or go out after its mainloop."""
-    seed = _seed("many", k)
-    starts, ends, rows = _routed_pool(16384, 8, 2, "uniform", seed)
+    seed = case_seed("many", k)
+    starts, ends, rows = routed_pool(16384, 8, 2, "uniform", seed)
     g = torch.Generator().manual_seed(seed)
     n = 2048
     a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
     b = (torch.randn(8, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
     what = f"many tiles K={k} seed={seed}"
-    plain = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n))
-    deferred = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n), deferred_store=True)
+    plain = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, nan_bf16(rows, n))
+    deferred = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, nan_bf16(rows, n), deferred_store=True)
     _check_ran(launched, what)
     _same_bits(plain, deferred, what)
     assert_close_where_owned(plain, m_grouped_reference(a, lambda e: b[e].T, starts, ends, n), what)

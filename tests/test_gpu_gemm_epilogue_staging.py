@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import subprocess
-import zlib
 
 import pytest
 import torch
@@ -30,28 +28,14 @@ import torch
 from deep_gemm_ext import jit
 from deep_gemm_ext.jit import compiler
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
-from deep_gemm_ext.routing import compute_routing_torch
-from deep_gemm_ext.testing import make_routing
 
 from conftest import requires_compiler, requires_hopper
-from gpu_utils import assert_close_where_owned, m_grouped_reference
+from gpu_utils import (assert_close_where_owned, assert_same_bits, case_seed, find_cuobjdump, gather_case,
+                       k_grouped_case, k_grouped_reference, m_grouped_case, m_grouped_reference, nan_bf16,
+                       ragged_pool, routed_pool, scatter_case)
 
 
-def _find_cuobjdump():
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia  # the nvidia-cuda-cuobjdump wheel
-        for root in nvidia.__path__:
-            for candidate in sorted(__import__("pathlib").Path(root).glob("*/bin/cuobjdump")):
-                return str(candidate)
-    except ImportError:
-        pass
-    return "/usr/local/cuda/bin/cuobjdump" if shutil.which("/usr/local/cuda/bin/cuobjdump") else None
-
-
-_CUOBJDUMP = _find_cuobjdump()
+_CUOBJDUMP = find_cuobjdump()
 _SMEM_LIMIT = 232448  # 227 KiB of an SM90 CTA (SmemLayout's static_assert)
 
 
@@ -185,38 +169,8 @@ def test_four_buffers_do_not_fit_four_stages():
 # -- GPU ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The config names the launchers ran, in order."""
-    names = []
-    launch = gg._launch
-
-    def spy(config, *args, **kwargs):
-        names.append(config.name)
-        return launch(config, *args, **kwargs)
-
-    monkeypatch.setattr(gg, "_launch", spy)
-    return names
-
-
-def _seed(*key) -> int:
-    """A seed per case, the same in every process (printed in the failure messages)."""
-    return zlib.crc32(repr(key).encode()) % 10_000
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
-def _nan(*shape):
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _same_bits(e2: torch.Tensor, e4: torch.Tensor, what: str) -> None:
-    torch.cuda.synchronize()
-    diff = (_bits(e2) != _bits(e4)).nonzero()
-    assert diff.numel() == 0, (f"{what}: 4 buffers differ from 2 at {diff.shape[0]} elements, first "
-                               f"{diff[:4].tolist()}")
+    assert_same_bits(e2, e4, what, "4 buffers differ from 2")
 
 
 def _check_ran(names: list[str], staged: bool, what: str) -> None:
@@ -228,22 +182,8 @@ def _check_ran(names: list[str], staged: bool, what: str) -> None:
         assert names[1] == names[0], f"{what}: expected the default kernel under both, got {names}"
 
 
-def _hand_pool():
-    """Expert 2 empty, ragged expert sizes, one pool block past ends[-1]."""
-    starts = torch.tensor([0, 256, 640, 768, 1152, 1280], dtype=torch.int32)
-    ends = torch.tensor([256, 640, 640, 1152, 1280, 1408], dtype=torch.int32)
-    return starts.cuda(), ends.cuda(), 1408 + 128
-
-
-def _routed_pool(num_tokens: int, num_experts: int, top_k: int, routing: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    idx = make_routing(num_tokens, num_experts, top_k, routing, generator=g).cuda()
-    meta = compute_routing_torch(idx, num_experts, gg.GROUP_ALIGNMENT)
-    return meta.starts, meta.ends, meta.num_pool_rows
-
-
 def _pool(kind: str, tokens: int, seed: int):
-    return _hand_pool() if kind == "hand" else _routed_pool(tokens, 16, 4, kind, seed)
+    return ragged_pool() if kind == "hand" else routed_pool(tokens, 16, 4, kind, seed)
 
 
 
@@ -260,23 +200,12 @@ _M_SHAPES = [(768, 512), (1024, 256), (200, 136), (1000, 320), (384, 320)]
 @pytest.mark.parametrize("n,k", _M_SHAPES)
 @pytest.mark.parametrize("layout", ["nt", "nn"])
 def test_m_grouped_staging(kind, tokens, n, k, layout, launched):
-    seed = _seed(kind, tokens, n, k, layout)
-    starts, ends, rows = _pool(kind, tokens, seed)
-    if layout == "nn" and k % 64:
-        k += 64 - k % 64  # [E, K, N] weights are read in whole 64-deep k-blocks
-    g = torch.Generator().manual_seed(seed)
-    num_experts = starts.shape[0]
-    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
-    shape = (num_experts, n, k) if layout == "nt" else (num_experts, k, n)
-    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
-    what = f"{layout} {kind} T={tokens} N={n} K={k} seed={seed}"
-    e2 = fn(a, b, starts, ends, _nan(rows, n))
-    e4 = fn(a, b, starts, ends, _nan(rows, n), epilogue_buffers=4)
-    _check_ran(launched, gg.select_tile(n).block_n == 256, what)
-    _same_bits(e2, e4, what)
-    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    assert_close_where_owned(e2, m_grouped_reference(a, w_of, starts, ends, n), what)
+    c = m_grouped_case(kind, tokens, n, k, layout, _pool)
+    e2 = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n))
+    e4 = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), epilogue_buffers=4)
+    _check_ran(launched, gg.select_tile(n).block_n == 256, c.what)
+    _same_bits(e2, e4, c.what)
+    assert_close_where_owned(e2, m_grouped_reference(c.a, c.w_of, c.starts, c.ends, n), c.what)
 
 
 @requires_hopper
@@ -285,29 +214,14 @@ def test_m_grouped_staging(kind, tokens, n, k, layout, launched):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("layout,n", [("nt", 768), ("nn", 1000)])
 def test_scatter_staging(kind, tokens, weighted, layout, n, launched):
-    seed = _seed(kind, tokens, weighted, layout, n)
-    g = torch.Generator().manual_seed(seed)
-    idx = make_routing(tokens, 16, 4, kind, generator=g).cuda()
-    meta = compute_routing_torch(idx, 16, gg.GROUP_ALIGNMENT)
-    rows, k, slots = meta.num_pool_rows, 512, tokens * 4
-    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
-    shape = (16, n, k) if layout == "nt" else (16, k, n)
-    b = (torch.randn(*shape, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    weights = torch.rand(tokens, 4, generator=g).cuda() if weighted else None
-    scatter = gg.Scatter(meta.row_to_slot, slots, weights)
-    fn = gg.m_grouped_bf16_gemm_nt_contiguous if layout == "nt" else gg.m_grouped_bf16_gemm_nn_contiguous
+    seed = case_seed(kind, tokens, weighted, layout, n)
+    c = scatter_case(kind, tokens, n, 512, layout, weighted, seed)
     what = f"{layout} scatter weighted={weighted} {kind} T={tokens} N={n} seed={seed}"
-    e2 = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter)
-    e4 = fn(a, b, meta.starts, meta.ends, _nan(slots, n), scatter=scatter, epilogue_buffers=4)
+    e2 = c.fn(c.a, c.b, c.meta.starts, c.meta.ends, nan_bf16(c.slots, n), scatter=c.scatter)
+    e4 = c.fn(c.a, c.b, c.meta.starts, c.meta.ends, nan_bf16(c.slots, n), scatter=c.scatter, epilogue_buffers=4)
     _check_ran(launched, True, what)
     _same_bits(e2, e4, what)
-    live = meta.slot_to_row >= 0
-    ref = torch.full((slots, n), float("nan"), dtype=torch.float64, device="cuda")
-    w_of = (lambda e: b[e].T) if layout == "nt" else (lambda e: b[e])
-    pool_ref = m_grouped_reference(a, w_of, meta.starts, meta.ends, n)
-    ref[live] = pool_ref[meta.slot_to_row[live].long()] * (
-        weights.reshape(-1)[live].double()[:, None] if weighted else 1.0)
-    assert_close_where_owned(e4, ref, what)
+    assert_close_where_owned(e4, c.reference(), what)
 
 
 @requires_hopper
@@ -315,19 +229,13 @@ def test_scatter_staging(kind, tokens, weighted, layout, n, launched):
                                          ("uniform", 1)])
 @pytest.mark.parametrize("m,n", [(384, 768), (256, 1000), (640, 200)])
 def test_k_grouped_staging(kind, tokens, m, n, launched):
-    seed = _seed(kind, tokens, m, n)
-    starts, ends, rows = _routed_pool(tokens, 16, 4, kind, seed)
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(rows, m, generator=g).cuda().to(torch.bfloat16)
-    b = torch.randn(rows, n, generator=g).cuda().to(torch.bfloat16)
-    what = f"tn {kind} T={tokens} M={m} N={n} seed={seed}"
-    e2 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n))
-    e4 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, _nan(16, m, n), epilogue_buffers=4)
+    c = k_grouped_case(kind, tokens, m, n)
+    starts, ends, a, b, what = c.starts, c.ends, c.a, c.b, c.what
+    e2 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, nan_bf16(16, m, n))
+    e4 = gg.k_grouped_bf16_gemm_tn_contiguous(a, b, starts, ends, nan_bf16(16, m, n), epilogue_buffers=4)
     _check_ran(launched, True, what)
     _same_bits(e2, e4, what)
-    ref = torch.zeros(16, m, n, dtype=torch.float64, device="cuda")
-    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
-        ref[e] = a[s:t].double().T @ b[s:t].double()
+    ref = k_grouped_reference(a, b, starts, ends)
     assert not torch.isnan(e4.float()).any(), f"{what}: elements left unwritten"
     err = ((e2.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err < 1e-2, f"{what}: rel error {err:.2e}"
@@ -338,17 +246,10 @@ def test_k_grouped_staging(kind, tokens, m, n, launched):
 def test_staging_with_other_knobs(variant, launched):
     """4 buffers under paired N tiles, the gathering loader and clusters of 2: the same bits as the
     default kernel of that variant."""
-    seed = _seed("variant", variant)
-    g = torch.Generator().manual_seed(seed)
-    tokens, experts, top_k, n, k = 600, 16, 4, 1024, 320
-    idx = make_routing(tokens, experts, top_k, "zipf", generator=g).cuda()
-    meta = compute_routing_torch(idx, experts, gg.GROUP_ALIGNMENT)
-    rows = meta.num_pool_rows
-    x = torch.randn(tokens, k, generator=g).cuda().to(torch.bfloat16)
-    b = (torch.randn(experts, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
-    pool = torch.zeros(rows, k, dtype=torch.bfloat16, device="cuda")
-    live = meta.row_to_slot >= 0
-    pool[live] = x[meta.row_to_slot[live].long() // top_k]
+    seed = case_seed("variant", variant)
+    n = 1024
+    c = gather_case(seed, n, 320)
+    meta, rows, x, b, pool, top_k = c.meta, c.rows, c.x, c.b, c.pool, c.top_k
     kw, a = {}, pool
     if variant == "paired":
         kw = dict(paired_n=True)
@@ -358,8 +259,8 @@ def test_staging_with_other_knobs(variant, launched):
         kw, a = dict(gather=gg.Gather(meta.row_to_slot, top_k, variant.removeprefix("gather_"))), x
     what = f"{variant} seed={seed}"
     run = gg.m_grouped_bf16_gemm_nt_contiguous
-    e2 = run(a, b, meta.starts, meta.ends, _nan(rows, n), **kw)
-    e4 = run(a, b, meta.starts, meta.ends, _nan(rows, n), epilogue_buffers=4, **kw)
+    e2 = run(a, b, meta.starts, meta.ends, nan_bf16(rows, n), **kw)
+    e4 = run(a, b, meta.starts, meta.ends, nan_bf16(rows, n), epilogue_buffers=4, **kw)
     _check_ran(launched, True, what)
     _same_bits(e2, e4, what)
     assert_close_where_owned(e4, m_grouped_reference(pool, lambda e: b[e].T, meta.starts, meta.ends, n), what)
@@ -374,11 +275,11 @@ def test_staging_without_rows(launched):
     assert launched == []
     # Rows in the pool, none owned by an expert: nothing written.
     a = torch.randn(256, 256, device="cuda").to(torch.bfloat16)
-    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, _nan(256, 768), epilogue_buffers=4)
+    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, starts, nan_bf16(256, 768), epilogue_buffers=4)
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all()
     # K-grouped without rows: zeros, no launch.
-    out = gg.k_grouped_bf16_gemm_tn_contiguous(a[:0], a[:0], starts, starts, _nan(4, 256, 256), epilogue_buffers=4)
+    out = gg.k_grouped_bf16_gemm_tn_contiguous(a[:0], a[:0], starts, starts, nan_bf16(4, 256, 256), epilogue_buffers=4)
     torch.cuda.synchronize()
     assert (out.float() == 0).all()
 
@@ -387,15 +288,15 @@ def test_staging_without_rows(launched):
 def test_staging_many_tiles_per_cta(launched):
     """Many tiles per persistent CTA, so that each tile's first chunk waits for the previous tile's
     stores: a long pool with a short K (a short mainloop between epilogues)."""
-    seed = _seed("many")
-    starts, ends, rows = _routed_pool(16384, 8, 2, "uniform", seed)
+    seed = case_seed("many")
+    starts, ends, rows = routed_pool(16384, 8, 2, "uniform", seed)
     g = torch.Generator().manual_seed(seed)
     n, k = 2048, 64
     a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
     b = (torch.randn(8, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
     what = f"many tiles seed={seed}"
-    e2 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n))
-    e4 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, _nan(rows, n), epilogue_buffers=4)
+    e2 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, nan_bf16(rows, n))
+    e4 = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, nan_bf16(rows, n), epilogue_buffers=4)
     _check_ran(launched, True, what)
     _same_bits(e2, e4, what)
     assert_close_where_owned(e4, m_grouped_reference(a, lambda e: b[e].T, starts, ends, n), what)
