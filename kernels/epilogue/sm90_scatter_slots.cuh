@@ -83,30 +83,15 @@ struct EpilogueScatterSlotsBuffers {
                                                const Prefetch& pre, __nv_bfloat16* const& out,
                                                const int* const&, const float* const&, const uint32_t&,
                                                const uint32_t& num_slots, const uint32_t& shape_n) {
-        // Padding rows (-1) and slots past out are not stored. Each stored row's address is made once
-        // per slice; a chunk adds its column.
         const uint32_t col16 = thread % 8;
-        Rows rows;
-#pragma unroll
-        for (uint32_t i = 0; i < kRowsPerThread; ++i) {
-            const int32_t s = pre.dst_slot[i];
-            rows.stored[i] = s >= 0 && static_cast<uint32_t>(s) < num_slots;
-            rows.ptr[i] = out + static_cast<uint64_t>(rows.stored[i] ? s : 0) * shape_n;
-        }
-        const float(&w)[2] = pre.acc_weight;
+        const Rows rows = rows_of(pre, out, num_slots, shape_n);
         if constexpr (kNumBuffers == 2) {
 #pragma unroll
             for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
                 uint32_t packed[16];
 #pragma unroll
-                for (uint32_t i = 0; i < 16; ++i) {
-                    float lo = acc[chunk * 32 + 2 * i], hi = acc[chunk * 32 + 2 * i + 1];
-                    if constexpr (kWeighted) {
-                        lo = __fmul_rn(lo, w[i % 2]);  // pair i is row l/4 (+8 when i is odd)
-                        hi = __fmul_rn(hi, w[i % 2]);
-                    }
-                    packed[i] = ptx::pack_bf16x2(lo, hi);
-                }
+                for (uint32_t i = 0; i < 16; ++i)
+                    packed[i] = pack_pair(acc, chunk * 16 + i, pre.acc_weight);
                 // Two buffers: the barrier after staging chunk c also orders every thread's reads of
                 // chunk c - 1, so chunk c + 1 may overwrite that buffer.
                 const uint32_t buf = buffers + slot * kChunkBytes;
@@ -126,14 +111,8 @@ struct EpilogueScatterSlotsBuffers {
             for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
                 uint32_t packed[16];
 #pragma unroll
-                for (uint32_t i = 0; i < 16; ++i) {
-                    float lo = acc[chunk * 32 + 2 * i], hi = acc[chunk * 32 + 2 * i + 1];
-                    if constexpr (kWeighted) {
-                        lo = __fmul_rn(lo, w[i % 2]);
-                        hi = __fmul_rn(hi, w[i % 2]);
-                    }
-                    packed[i] = ptx::pack_bf16x2(lo, hi);
-                }
+                for (uint32_t i = 0; i < 16; ++i)
+                    packed[i] = pack_pair(acc, chunk * 16 + i, pre.acc_weight);
                 sm90::stage_chunk(buffers + chunk * kChunkBytes, thread, packed);
             }
             ptx::named_barrier_sync(barrier_id, 128);
@@ -154,6 +133,33 @@ struct EpilogueScatterSlotsBuffers {
         __nv_bfloat16* ptr[kRowsPerThread];
         bool stored[kRowsPerThread];
     };
+
+    // Accumulator pair i (pair 16 c + j is chunk c's pair j: row l/4 of the warp's 16, +8 when j is odd) as
+    // bf16x2, times its row's weight first when kWeighted (the fp32 product, rounded once).
+    template <uint32_t kNumAccum>
+    __device__ __forceinline__ static uint32_t pack_pair(const float (&acc)[kNumAccum], uint32_t i,
+                                                         const float (&weight)[2]) {
+        float lo = acc[2 * i], hi = acc[2 * i + 1];
+        if constexpr (kWeighted) {
+            lo = __fmul_rn(lo, weight[i % 2]);
+            hi = __fmul_rn(hi, weight[i % 2]);
+        }
+        return ptx::pack_bf16x2(lo, hi);
+    }
+
+    // Where this thread's four rows go: padding rows (-1) and slots past out are not stored; each stored
+    // row's address is made once per slice, a chunk adds its column.
+    __device__ __forceinline__ static Rows rows_of(const Prefetch& pre, __nv_bfloat16* out, uint32_t num_slots,
+                                                   uint32_t shape_n) {
+        Rows rows;
+#pragma unroll
+        for (uint32_t i = 0; i < kRowsPerThread; ++i) {
+            const int32_t s = pre.dst_slot[i];
+            rows.stored[i] = s >= 0 && static_cast<uint32_t>(s) < num_slots;
+            rows.ptr[i] = out + static_cast<uint64_t>(rows.stored[i] ? s : 0) * shape_n;
+        }
+        return rows;
+    }
 
     // This thread's four rows of a staged chunk: the four shared-memory loads first, then the stores of
     // the rows that have a slot, predicated (a load of a row that is not stored reads staged data and is
@@ -200,14 +206,8 @@ struct EpilogueScatterSlotsDeferred : EpilogueScatterSlotsBuffers<kWeighted, 2> 
                                          __nv_bfloat16* const&, const int* const&, const float* const&,
                                          const uint32_t&, const uint32_t&, const uint32_t&) const {
 #pragma unroll
-        for (uint32_t i = 0; i < kNumAccum / 2; ++i) {
-            float lo = acc[2 * i], hi = acc[2 * i + 1];
-            if constexpr (kWeighted) {
-                lo = __fmul_rn(lo, pre.acc_weight[i % 2]);  // pair i is row l/4 (+8 when i is odd)
-                hi = __fmul_rn(hi, pre.acc_weight[i % 2]);
-            }
-            packed[i] = ptx::pack_bf16x2(lo, hi);
-        }
+        for (uint32_t i = 0; i < kNumAccum / 2; ++i)
+            packed[i] = Base::pack_pair(acc, i, pre.acc_weight);
         stage_part<0>(packed);
     }
 
@@ -223,13 +223,7 @@ struct EpilogueScatterSlotsDeferred : EpilogueScatterSlotsBuffers<kWeighted, 2> 
         // Part kPart staged by every thread.
         ptx::named_barrier_sync(this->barrier_id, 128);
         const uint32_t col16 = this->thread % 8;
-        typename Base::Rows rows;
-#pragma unroll
-        for (uint32_t i = 0; i < Base::kRowsPerThread; ++i) {
-            const int32_t s = pre.dst_slot[i];
-            rows.stored[i] = s >= 0 && static_cast<uint32_t>(s) < num_slots;
-            rows.ptr[i] = out + static_cast<uint64_t>(rows.stored[i] ? s : 0) * shape_n;
-        }
+        const typename Base::Rows rows = this->rows_of(pre, out, num_slots, shape_n);
 #pragma unroll
         for (uint32_t c = 0; c < 2; ++c) {
             const uint32_t col = tile.cols.col(2 * kPart + c) + 8 * col16;

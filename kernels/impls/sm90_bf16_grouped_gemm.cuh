@@ -272,14 +272,15 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         EpiTile pending_tile{TileColumns<Traits::BLOCK_N, Traits::kPairedN>(0, shape_n), 0, 0, 0, 0};
         [[maybe_unused]] typename Prefetch::Type pending_pre{};  // the pending slice's prefetched state
         bool pending = false;
-        // Stores parts [first, kParts) of the pending slice (first: a run-time value, each part's
-        // index into `packed` a constant).
+        // Stores part `part` (an integral_constant) of the pending slice.
         auto store_part = [&](auto part) {
             if constexpr (kDeferred)
                 with_epilogue_args([&](const auto&... rest) {
                     epilogue.template store_part<decltype(part)::value>(packed, pending_tile, pending_pre, rest...);
                 });
         };
+        // Stores parts [first, kParts) of the pending slice (first: a run-time value, each part's index
+        // into `packed` a constant).
         auto store_parts_from = [&](uint32_t first) {
             if constexpr (kDeferred) {
                 static_for<0, kParts>([&](auto part) {
