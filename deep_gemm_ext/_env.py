@@ -172,13 +172,6 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
-def deferred_store() -> bool:
-    """DGE_DEFERRED_STORE: the SM90 bf16 GEMMs of the layer (their store and combine epilogues) issue a
-    tile's stores while the next tile's first k-blocks are in the tensor cores instead of between the two
-    tiles (GemmConfig.deferred_store; same bits). Default off; 1 turns it on."""
-    return _flag("DGE_DEFERRED_STORE")
-
-
 def fp8_wgrad() -> str | None:
     """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
     operands (``fp8``) or bf16 ones (``bf16``: unquantized operands, twice the bytes). None when

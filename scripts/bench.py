@@ -57,8 +57,7 @@ def _variant_env(backend: str) -> dict[str, str]:
             # Unset: the plan's default, gathering in the fp8 weight gradients' quantizers, pools elsewhere.
             "DGE_FUSED_GATHER_BACKWARD": "",
             "DGE_FP8_WGRAD": "fp8" if "fp8-wgrad" in backend else "",
-            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
-            "DGE_DEFERRED_STORE": "1" if "deferred-store" in backend else "0"}
+            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}
 
 
 BASE = ("grouped_mm", "torch", "bf16")
@@ -129,8 +128,6 @@ def implementations(with_loop: bool, compiled: bool = True,
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
     impls[("ours", "auto+pool-combine", "bf16")] = Impl(_ours())
-    # The store GEMMs' TMA stores issued under the next tile's first k-blocks (DGE_DEFERRED_STORE=1).
-    impls[("ours", "auto+deferred-store", "bf16")] = Impl(_ours())
     impls[("ours", "torch", "bf16")] = Impl(_ours("torch"))
     try:
         from deep_gemm_ext import plan

@@ -186,15 +186,6 @@ _CLUSTER_RULES = dict(gather_a=None, paired_n=False)
 #: each other; 64 KiB for both warpgroups, so the 256-wide tile runs 3 smem stages instead of 4. Same
 #: bits as 2. What it takes: 256-wide bf16 tiles.
 EPILOGUE_BUFFERS = (2, 4)
-#: The store and combine epilogues deferred into the next tile's mainloop (GemmConfig.deferred_store): a
-#: slice's accumulators are packed to bf16 (the combine's times their weights) when its mainloop ends and
-#: its stores go out, two 64 x 64 chunks at a time, while the next tile's first k-blocks are in the tensor
-#: cores, instead of between the two tiles with the tensor cores idle. Same bits as the epilogue it
-#: defers. What it takes:
-_DEFERRED_RULES = dict(dtype="bf16", epilogue_buffers=2, cluster_n=1)
-_DEFERRED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Deferred",
-                 "scatter": "dge::gemm::EpilogueScatterSlotsDeferred<false>",
-                 "scatter_weighted": "dge::gemm::EpilogueScatterSlotsDeferred<true>"}
 #: Stages of the 256-wide tile with 4 epilogue buffers (SmemLayout's 227 KiB: 3 x 48 KiB + 64 KiB).
 _STAGED_STAGES = {256: 3}
 
@@ -216,8 +207,6 @@ class GemmConfig:
     # Staging buffers of the store / combine epilogues per consumer warpgroup (EPILOGUE_BUFFERS): 4
     # stages a whole 64 x 256 slice (256-wide bf16 tiles, 3 smem stages), 2 is the default.
     epilogue_buffers: int = 2
-    # The store / combine epilogue's stores issued under the next tile's first k-blocks (_DEFERRED_RULES).
-    deferred_store: bool = False
     # The cp.async gather of A waits, tile by tile, for the source ranks of its rows to have
     # arrived (LoaderGatherCpAsyncAwait: the L1 forward overlapped with the expert-parallel
     # dispatch, DGE_EP_OVERLAP); its kernel arguments are AWAIT_ARGS.
@@ -277,12 +266,6 @@ class GemmConfig:
             if wrong:
                 raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} (a 128-wide "
                                  f"slice fits the 2 default buffers), got {wrong}")
-        if not isinstance(self.deferred_store, bool):
-            raise ValueError(f"GemmConfig: deferred_store={self.deferred_store!r}, expected a bool")
-        if self.deferred_store:
-            wrong = {k: getattr(self, k) for k, v in _DEFERRED_RULES.items() if getattr(self, k) != v}
-            if wrong:
-                raise ValueError(f"GemmConfig: deferred_store=True takes {_DEFERRED_RULES}, got {wrong}")
         if self.gather_a not in _LOADERS:
             raise ValueError(f"GemmConfig: gather_a={self.gather_a!r}, expected one of {tuple(_LOADERS)}")
         if not isinstance(self.await_rows, bool):
@@ -332,8 +315,6 @@ class GemmConfig:
             name += f"_c{self.cluster_n}"
         if self.epilogue_buffers != 2:
             name += f"_e{self.epilogue_buffers}"
-        if self.deferred_store:
-            name += "_deferred"
         if self.await_rows:
             name += "_await"
         if self.shape_k:
@@ -356,8 +337,6 @@ class GemmConfig:
         epilogue_cpp = epilogue.cpp
         if self.epilogue_buffers != 2:
             epilogue_cpp = _STAGED_CPP[self.epilogue].format(buffers=self.epilogue_buffers)
-        elif self.deferred_store:
-            epilogue_cpp = _DEFERRED_CPP[self.epilogue]
         elif self.block_n == 192 and self.epilogue == "store":
             # The 192-wide fp8 tile's three chunks per slice all staged before their TMA stores: with
             # two buffers the third would wait inside the tile for the first one's store.
@@ -438,19 +417,6 @@ def _check_epilogue_buffers(epilogue_buffers) -> None:
         raise ValueError(f"epilogue_buffers={epilogue_buffers!r}: expected one of {EPILOGUE_BUFFERS}")
 
 
-def _check_deferred_store(deferred_store, epilogue_buffers: int, cluster_n: int) -> None:
-    """``deferred_store=`` of a launcher: a bool, and True only with two epilogue staging buffers and one CTA
-    per cluster."""
-    if not isinstance(deferred_store, bool):
-        raise ValueError(f"deferred_store={deferred_store!r}: expected a bool")
-    if not deferred_store:
-        return
-    for label, value, plain in (("epilogue_buffers", epilogue_buffers, 2), ("cluster_n", cluster_n, 1)):
-        if value != plain:
-            raise ValueError(f"deferred_store=True with {label}={value!r}: the deferred store runs on two staging "
-                             f"buffers and one CTA per cluster (expected {label}={plain!r})")
-
-
 def _staged_buffers(epilogue_buffers: int, block_n: int) -> int:
     """The config's epilogue_buffers for the launcher's ``epilogue_buffers=``: where the tile is 128 wide
     (N that a 128-wide tile pads less) the two default buffers already hold the warpgroup's whole
@@ -486,15 +452,7 @@ def _all_configs() -> list[GemmConfig]:
     staged = [GemmConfig(layout, 256, epilogue_buffers=4) for layout in ("nt", "nn", "tn")]
     staged += [GemmConfig("nt", 256, epilogue="scatter_weighted", epilogue_buffers=4),
                GemmConfig("nn", 256, epilogue="scatter", epilogue_buffers=4)]
-    # The deferred store epilogue (deferred_store=True): the store GEMMs of every layout and the L1
-    # forward's gather, both widths.
-    deferred = [GemmConfig(layout, block_n, deferred_store=True) for layout in ("nt", "nn", "tn")
-                for block_n in (256, 128)]
-    deferred += [GemmConfig("nt", block_n, gather_a=mode, deferred_store=True) for block_n in (256, 128)
-                 for mode in GATHER_MODES]
-    deferred += [GemmConfig("nt", block_n, epilogue="scatter_weighted", deferred_store=True) for block_n in (256, 128)]
-    deferred += [GemmConfig("nn", block_n, epilogue="scatter", deferred_store=True) for block_n in (256, 128)]
-    return configs + clusters + staged + deferred
+    return configs + clusters + staged
 
 
 @jit.register("sm90_bf16_grouped_gemm")
@@ -865,12 +823,10 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, cluster_n: int = 1, epilogue_buffers: int = 2,
-               deferred_store: bool = False) -> torch.Tensor:
-    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers,
-                     deferred_store)
+               scatter: Scatter | None = None, cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
+    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers)
     num_experts, k, rows, n, block_n, config = checked(key, lambda: _m_grouped_checks(
-        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers, deferred_store))
+        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers))
     if out is None:
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
     if config is None:  # nothing to compute
@@ -886,12 +842,10 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     return out
 
 
-def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers,
-                      deferred_store):
+def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers):
     """Every check of :func:`_m_grouped` that its key settles; ``(E, K, rows, N, block_n, config)``,
     config None when there is nothing to compute."""
     _check_epilogue_buffers(epilogue_buffers)
-    _check_deferred_store(deferred_store, epilogue_buffers, cluster_n)
     _check_gather(gather)
     _check_cluster(cluster_n, gather=gather, paired_n=paired_n)
     if scatter is not None and paired_n:
@@ -922,15 +876,14 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, cluster_n=cluster_n,
                            epilogue_buffers=_staged_buffers(epilogue_buffers, block_n),
-                           deferred_store=deferred_store, await_rows=_await_of(gather) is not None)
+                           await_rows=_await_of(gather) is not None)
     return num_experts, k, rows, n, block_n, config
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      cluster_n: int = 1, epilogue_buffers: int = 2,
-                                      deferred_store: bool = False) -> torch.Tensor:
+                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -944,42 +897,34 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     buffers per consumer warpgroup of the store / combine epilogue (EPILOGUE_BUFFERS); 4 stages a whole
     64 x 256 slice of a 256-wide tile (3 smem stages instead of 4), same bits as 2; a 128-wide tile (N
     it pads less) runs the default kernel, since its two buffers already hold the whole slice.
-    ``deferred_store``: the store or combine epilogue's stores go out while the next tile's first k-blocks
-    are in the tensor cores (GemmConfig.deferred_store), same bits; not with 4 epilogue buffers or clusters
-    of 2.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers,
-                      deferred_store)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, scatter: Scatter | None = None,
-                                      cluster_n: int = 1, epilogue_buffers: int = 2,
-                                      deferred_store: bool = False) -> torch.Tensor:
+                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for
-    combine_slots). ``cluster_n``, ``epilogue_buffers``, ``deferred_store``: as for
-    m_grouped_bf16_gemm_nt_contiguous.
+    combine_slots). ``cluster_n``, ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, epilogue_buffers,
-                      deferred_store)
+    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, epilogue_buffers)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, cluster_n: int = 1,
-                                      epilogue_buffers: int = 2, deferred_store: bool = False) -> torch.Tensor:
+                                      epilogue_buffers: int = 2) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x's pool for dW1 [E, 2I, H]), M a multiple of 128.
     Experts without rows get zeros. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 pairs adjacent M
-    blocks of one expert, sharing B). ``epilogue_buffers``, ``deferred_store``: as for
-    m_grouped_bf16_gemm_nt_contiguous.
+    blocks of one expert, sharing B). ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    key = checks_key("k", a, b, starts, ends, out, cluster_n, epilogue_buffers, deferred_store)
+    key = checks_key("k", a, b, starts, ends, out, cluster_n, epilogue_buffers)
     num_experts, rows, m, n, block_n, config = checked(key, lambda: _k_grouped_checks(
-        a, b, starts, ends, out, cluster_n, epilogue_buffers, deferred_store))
+        a, b, starts, ends, out, cluster_n, epilogue_buffers))
     if out is None:
         out = torch.empty((num_experts, m, n), dtype=torch.bfloat16, device=a.device)
     if num_experts == 0 or m == 0 or n == 0:
@@ -993,11 +938,10 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     return out
 
 
-def _k_grouped_checks(a, b, starts, ends, out, cluster_n, epilogue_buffers, deferred_store):
+def _k_grouped_checks(a, b, starts, ends, out, cluster_n, epilogue_buffers):
     """Every check of :func:`k_grouped_bf16_gemm_tn_contiguous` that its key settles;
     ``(E, rows, M, N, block_n, config)``, config None when there is nothing to compute."""
     _check_epilogue_buffers(epilogue_buffers)
-    _check_deferred_store(deferred_store, epilogue_buffers, cluster_n)
     _check_cluster(cluster_n)
     num_experts = _check_inputs(a, b, 2, starts, ends)
     rows = a.shape[0]
@@ -1013,5 +957,5 @@ def _k_grouped_checks(a, b, starts, ends, out, cluster_n, epilogue_buffers, defe
         return num_experts, rows, m, n, 0, None
     block_n = select_tile(n).block_n
     config = cached_config("tn", block_n, cluster_n=cluster_n,
-                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n), deferred_store=deferred_store)
+                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n))
     return num_experts, rows, m, n, block_n, config

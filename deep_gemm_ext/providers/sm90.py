@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .. import _env, elementwise
+from .. import elementwise
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
 from .base import Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots, fp8_cols_rows
 
@@ -74,15 +74,13 @@ class Sm90Provider(GemmProvider):
             gemm = functools.partial(k.m_grouped_bf16_gemm_nt_contiguous, gather=g)
         else:
             gemm = k.m_grouped_bf16_gemm_nn_contiguous
-        # Not under the waiting gather of the overlapped dispatch (its kernel keeps the inline store).
-        deferred = _env.deferred_store() and (gather is None or gather.await_rows is None)
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
-            return gemm(a, w, meta.starts, meta.ends, scatter=scatter, deferred_store=deferred)
+            return gemm(a, w, meta.starts, meta.ends, scatter=scatter)
         if zero_unowned:
             out = a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2])
-            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out, deferred_store=deferred), meta)
-        return gemm(a, w, meta.starts, meta.ends, deferred_store=deferred)
+            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out), meta)
+        return gemm(a, w, meta.starts, meta.ends)
 
     def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
         k = _kernels
@@ -124,8 +122,7 @@ class Sm90Provider(GemmProvider):
             # time of the GEMM on a pool (docs/perf-notes.md v39), more than the pool's gathering pass.
             raise ValueError("gather_a / gather_b: the bf16 weight gradients read pools gathered once; only the fp8 "
                              "ones (DGE_FP8_WGRAD=fp8) gather, in their quantization kernels")
-        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends,
-                                                          deferred_store=_env.deferred_store())
+        return _kernels.k_grouped_bf16_gemm_tn_contiguous(a, b, meta.starts, meta.ends)
 
 
 def _fp8_cols(label: str, operand, gather: Gather | None, rows: int):

@@ -128,7 +128,7 @@ struct EpilogueScatterSlotsBuffers {
 
     __device__ __forceinline__ void finish() {}
 
-   protected:
+   private:
     struct Rows {
         __nv_bfloat16* ptr[kRowsPerThread];
         bool stored[kRowsPerThread];
@@ -180,72 +180,6 @@ struct EpilogueScatterSlotsBuffers {
 template <bool kWeighted>
 struct EpilogueScatterSlots : EpilogueScatterSlotsBuffers<kWeighted, 2> {
     using EpilogueScatterSlotsBuffers<kWeighted, 2>::EpilogueScatterSlotsBuffers;
-};
-
-// The combine epilogue deferred into the next tile's mainloop (the core's kDeferred contract,
-// epilogue/sm90_store_bf16.cuh): the slice is weighted and packed to bf16 when its mainloop ends, and
-// goes out two chunks at a time, part p (chunks 2p, 2p + 1 in the two staging buffers) while k-block p
-// of the next tile is in the tensor cores. Part 0 is staged at once by pack() (one sync: every thread's
-// reads of the buffers done; eight stmatrix a thread), so that only the other parts' packed pairs stay
-// in registers beside the next tile's accumulators (with all four chunks' the 256-wide tile spilled);
-// store_part<0> syncs once and stores; a later part syncs, stages its two chunks, syncs and stores. A
-// thread stores its four rows of each chunk (loads first, then the stores). Same bytes as
-// EpilogueScatterSlots: the same fp32 products rounded once, to the same slots.
-template <bool kWeighted>
-struct EpilogueScatterSlotsDeferred : EpilogueScatterSlotsBuffers<kWeighted, 2> {
-    using Base = EpilogueScatterSlotsBuffers<kWeighted, 2>;
-    using typename Base::Prefetch;
-    static constexpr bool kDeferred = true;
-    template <uint32_t kNumAccum>
-    static constexpr uint32_t kDeferredParts = kNumAccum / 64;
-    using Base::Base;
-
-    template <uint32_t kNumAccum, uint32_t BLOCK_N>
-    __device__ __forceinline__ void pack(const float (&acc)[kNumAccum], const EpilogueTile<BLOCK_N, false>&,
-                                         const Prefetch& pre, uint32_t (&packed)[kNumAccum / 2],
-                                         __nv_bfloat16* const&, const int* const&, const float* const&,
-                                         const uint32_t&, const uint32_t&, const uint32_t&) const {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum / 2; ++i)
-            packed[i] = Base::pack_pair(acc, i, pre.acc_weight);
-        stage_part<0>(packed);
-    }
-
-    template <uint32_t kPart, uint32_t kNumPacked, uint32_t BLOCK_N>
-    __device__ __forceinline__ void store_part(const uint32_t (&packed)[kNumPacked],
-                                               const EpilogueTile<BLOCK_N, false>& tile, const Prefetch& pre,
-                                               __nv_bfloat16* const& out, const int* const&, const float* const&,
-                                               const uint32_t&, const uint32_t& num_slots,
-                                               const uint32_t& shape_n) {
-        static_assert(kNumPacked % 32 == 0 && kPart < kNumPacked / 32, "store_part: two whole chunks per part");
-        if constexpr (kPart > 0)
-            stage_part<kPart>(packed);
-        // Part kPart staged by every thread.
-        ptx::named_barrier_sync(this->barrier_id, 128);
-        const uint32_t col16 = this->thread % 8;
-        const typename Base::Rows rows = this->rows_of(pre, out, num_slots, shape_n);
-#pragma unroll
-        for (uint32_t c = 0; c < 2; ++c) {
-            const uint32_t col = tile.cols.col(2 * kPart + c) + 8 * col16;
-            if (col < shape_n)
-                this->store_rows(this->buffers + c * Base::kChunkBytes, rows, col);
-        }
-    }
-
-   private:
-    // Chunks 2 kPart and 2 kPart + 1 into the two buffers, once every thread's reads of them are done.
-    template <uint32_t kPart, uint32_t kNumPacked>
-    __device__ __forceinline__ void stage_part(const uint32_t (&packed)[kNumPacked]) const {
-        ptx::named_barrier_sync(this->barrier_id, 128);
-#pragma unroll
-        for (uint32_t c = 0; c < 2; ++c) {
-            uint32_t chunk[16];
-#pragma unroll
-            for (uint32_t i = 0; i < 16; ++i)
-                chunk[i] = packed[(2 * kPart + c) * 16 + i];
-            sm90::stage_chunk(this->buffers + c * Base::kChunkBytes, this->thread, chunk);
-        }
-    }
 };
 
 }  // namespace dge::gemm

@@ -91,27 +91,6 @@ struct PrefetchOf<E, std::void_t<typename E::Prefetch>> {
     static constexpr bool kEnabled = true;
 };
 
-// f(std::integral_constant<uint32_t, I>{}) for I = kBegin, ..., kEnd - 1: a loop whose index is a
-// constant expression (a template argument).
-template <uint32_t kBegin, uint32_t kEnd, class F>
-__device__ __forceinline__ void static_for(const F& f) {
-    if constexpr (kBegin < kEnd) {
-        f(std::integral_constant<uint32_t, kBegin>{});
-        static_for<kBegin + 1, kEnd>(f);
-    }
-}
-
-// Whether an epilogue defers its stores into the next tile's mainloop (Epilogue::kDeferred,
-// epilogue/sm90_store_bf16.cuh's contract).
-template <class E, class = void>
-struct DeferredOf {
-    static constexpr bool kEnabled = false;
-};
-template <class E>
-struct DeferredOf<E, std::void_t<decltype(E::kDeferred)>> {
-    static constexpr bool kEnabled = E::kDeferred;
-};
-
 // The producer's loader: the constructor takes the loader's leading kernel arguments, if any
 // (Loader::kNumArgs; the waiting loader's), after the thread index.
 template <class Load, class Stages, class... Extra>
@@ -248,47 +227,6 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                                                    extra_args...);
         sm90::PipelineState<Traits::kNumStages> st;
         sched::GroupedTile tile;
-        using EpiTile = EpilogueTile<Traits::BLOCK_N, Traits::kPairedN>;
-        // The epilogue's own arguments: the kernel's extra arguments after the leading ones.
-        auto with_epilogue_args = [&](const auto& f) {
-            if constexpr (kLeadingArgs == 0)
-                f(extra_args...);
-            else
-                DropArgs<kLeadingArgs>::apply(f, extra_args...);
-        };
-        // A deferred store epilogue (DeferredOf): the previous slice, packed, and its tile, waiting for
-        // its parts' stores under the next tile's first k-blocks; `pending` says whether one waits.
-        constexpr bool kDeferred = DeferredOf<Epilogue>::kEnabled;
-        constexpr uint32_t kParts = [] {
-            if constexpr (kDeferred)
-                return Epilogue::template kDeferredParts<MMA::kNumAccum>;
-            else
-                return 1u;
-        }();
-        static_assert(!kDeferred || Traits::kElement == ElementType::BF16,
-                      "a deferred store epilogue holds a packed slice beside the bf16 accumulators only");
-        using Prefetch = PrefetchOf<Epilogue>;
-        uint32_t packed[kDeferred ? MMA::kNumAccum / 2 : 1];
-        EpiTile pending_tile{TileColumns<Traits::BLOCK_N, Traits::kPairedN>(0, shape_n), 0, 0, 0, 0};
-        [[maybe_unused]] typename Prefetch::Type pending_pre{};  // the pending slice's prefetched state
-        bool pending = false;
-        // Stores part `part` (an integral_constant) of the pending slice.
-        auto store_part = [&](auto part) {
-            if constexpr (kDeferred)
-                with_epilogue_args([&](const auto&... rest) {
-                    epilogue.template store_part<decltype(part)::value>(packed, pending_tile, pending_pre, rest...);
-                });
-        };
-        // Stores parts [first, kParts) of the pending slice (first: a run-time value, each part's index
-        // into `packed` a constant).
-        auto store_parts_from = [&](uint32_t first) {
-            if constexpr (kDeferred) {
-                static_for<0, kParts>([&](auto part) {
-                    if (decltype(part)::value >= first)
-                        store_part(part);
-                });
-            }
-        };
         // `during`: work the mainloop runs once while the tile's first k-block is in the tensor cores
         // (the next tile's scheduling; mainloop contract in mma/sm90_mainloop.cuh).
         auto consume = [&](const sched::GroupedTile& t, const auto& during) {
@@ -305,47 +243,26 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                 return EpilogueTile<Traits::BLOCK_N, Traits::kPairedN>{
                     Columns(t.n_block, shape_n), tile_row + warpgroup * 64, t.m_block, t.n_block, t.expert};
             };
-            [[maybe_unused]] typename Prefetch::Type prefetched{};
+            // The epilogue's own arguments: the kernel's extra arguments after the leading ones.
+            auto with_epilogue_args = [&](const auto& f) {
+                if constexpr (kLeadingArgs == 0)
+                    f(extra_args...);
+                else
+                    DropArgs<kLeadingArgs>::apply(f, extra_args...);
+            };
+            using Prefetch = PrefetchOf<Epilogue>;
+            typename Prefetch::Type prefetched;
             if constexpr (Prefetch::kEnabled)
                 with_epilogue_args([&](const auto&... rest) { prefetched = epilogue.prefetch(epi_tile(), rest...); });
-            uint32_t last_stage;
-            if constexpr (kDeferred) {
-                // Part kb of the pending slice goes out while k-block kb is in the tensor cores.
-                auto hook = [&](uint32_t kb) {
-                    if (kb == 0)
-                        during();
-                    if (pending) {
-                        static_for<0, kParts>([&](auto part) {
-                            if (kb == decltype(part)::value)
-                                store_part(part);
-                        });
-                    }
-                };
-                const MainloopHook<kParts, decltype(hook)> hooked{hook};
-                last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane, hooked);
-            } else {
-                last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane,
-                                      [&](uint32_t) { during(); });
-            }
+            const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane, during);
             MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
-            if constexpr (kDeferred) {
-                // The parts of the previous slice this tile's k-blocks did not carry.
-                if (pending)
-                    store_parts_from(t.num_k_blocks < kParts ? t.num_k_blocks : kParts);
-                pending = false;
-            }
 
             // A duplicate of the cluster partner's tile (scheduler): run for the barriers, not stored.
             if constexpr (kClusterN > 1) {
                 if (!t.store)
                     return;
             }
-            if constexpr (kDeferred) {
-                pending_tile = epi_tile();
-                with_epilogue_args([&](const auto&... rest) { epilogue.pack(acc, pending_tile, prefetched, packed, rest...); });
-                pending_pre = prefetched;
-                pending = true;
-            } else if constexpr (Prefetch::kEnabled)
+            if constexpr (Prefetch::kEnabled)
                 with_epilogue_args([&](const auto&... rest) { epilogue(acc, epi_tile(), prefetched, rest...); });
             else
                 with_epilogue_args([&](const auto&... rest) { epilogue(acc, epi_tile(), rest...); });
@@ -378,10 +295,6 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         } else {
             while (scheduler.next(tile))
                 consume(tile, [] {});
-        }
-        if constexpr (kDeferred) {
-            if (pending)
-                store_parts_from(0);
         }
         epilogue.finish();
     }

@@ -24,10 +24,8 @@
 //     adds the tile's num_k_blocks k-blocks for the 64-row slice `slice` (the warpgroup's) of the A
 //     stages into acc (zeroed by the caller), waiting on each stage's full barrier and freeing each
 //     stage once its wgmmas are done (the last one may stay held for finish), returns the last
-//     stage; calls during(0) once, after the first k-block's wgmmas are issued and before it waits
-//     for them (not at all when there are no k-blocks); MainloopBF16 also calls during(kb) the same
-//     way for the next k-blocks kb < During::kBlocks where the callable says so (MainloopHook: the
-//     deferred store epilogue's parts);
+//     stage; calls during() once, after the first k-block's wgmmas are issued and before it waits
+//     for them (not at all when there are no k-blocks);
 //   template <class Pipe> static void finish(float (&acc)[kNumAccum],
 //       const Pipe&, uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane);
 //     waits for wgmmas still in flight and frees the stage mma left held, if any.
@@ -35,7 +33,6 @@
 // mma/sm90_mainloop_fp8.cuh.
 
 #include <cstdint>
-#include <type_traits>
 
 #include <common/sm90_utils.cuh>
 #include <layout/sm90_gemm.cuh>
@@ -45,25 +42,6 @@
 #include <ptx/wgmma.cuh>
 
 namespace dge::gemm {
-
-// A mainloop's `during` that asks to be called for the first kBlocks k-blocks (MainloopBF16), not
-// only the first.
-template <uint32_t kBlocks_, class F>
-struct MainloopHook {
-    static constexpr uint32_t kBlocks = kBlocks_;
-    F f;
-    __device__ __forceinline__ void operator()(uint32_t kb) const { f(kb); }
-};
-
-// During::kBlocks, or 1 for a callable that does not say.
-template <class During, class = void>
-struct HookBlocks {
-    static constexpr uint32_t kValue = 1;
-};
-template <class During>
-struct HookBlocks<During, std::void_t<decltype(During::kBlocks)>> {
-    static constexpr uint32_t kValue = During::kBlocks;
-};
 
 // bf16 x bf16 -> fp32 with wgmma m64nBLOCK_Nk16 from the 128B-swizzled stages. kGenericProxyWrites:
 // the loader wrote the stage with ordinary stores (cp.async), which wgmma's async proxy must be
@@ -105,8 +83,8 @@ struct MainloopBF16 {
             }
             ptx::wgmma_commit_group();
             mma::fence_accumulators(acc);
-            if (kb < HookBlocks<During>::kValue)
-                during(kb);
+            if (kb == 0)
+                during();
             // Keep this k-block's wgmmas in flight; the previous one is done, free its stage.
             ptx::wgmma_wait_group<1>();
             if (kb > 0)

@@ -258,7 +258,7 @@ private:
             issue_block(partial, desc, st.stage);
             mma::fence_accumulators(partial);
             if (kb == 0)
-                during(0u);
+                during();
             ptx::wgmma_wait_group<0>();
             mma::fence_accumulators(partial);
             pipe.consumer_release(st.stage, lane);
@@ -340,7 +340,7 @@ private:
         uint32_t stage = issue(partial[0], pipe, st, desc);
         if constexpr (!kLateScales)
             read_scales(sa, sb, scales, stage);
-        during(0u);
+        during();
         // K compiled in: the loop unrolled over the whole tile, so that every k-block's stage is a constant
         // (the overlap mainloop with K compiled in takes a static ring only); K at run time: a loop.
         constexpr uint32_t kUnroll = Traits::kShapeK != 0 ? Traits::kNumKBlocks : 1;
