@@ -14,7 +14,10 @@ medians of NVML's SM clock and instantaneous board power sampled every 2 ms whil
 repeats run, and "capped" the share of those samples in which the board's power limit held the clock down ("-"
 without nvidia-ml-py). The driver updates these readings every few tens of milliseconds, so they
 describe a row only when its timed windows are that long or longer (--calls 16 at the headline shapes);
-at one call of a few milliseconds a window can read the load before it. Writes JSON records
+at one call of a few milliseconds a window can read the load before it. "J" is the energy of one
+forward+backward, that median power times the median time: where a row is capped all the time, its time is
+about its energy over the board's limit, so a change that saves no energy cannot make it faster there
+(docs/perf-notes.md v33, v41). Writes JSON records
 and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 
     python scripts/bench.py --json benchmarks/results/h200.json --png benchmarks/results/h200.png
@@ -278,13 +281,16 @@ def draw_png(records, path):
     fig.savefig(path, dpi=120)
 
 
-def _readings_record(read) -> dict:
-    """The record's fields of ``GpuReadings.medians()`` (all None off the GPU or without NVML)."""
+def _readings_record(read, fwdbwd_ms: float) -> dict:
+    """The record's fields of ``GpuReadings.medians()`` (all None off the GPU or without NVML), and
+    ``energy_j``: the median power times the forward+backward's median time, in joules."""
     read = read or {}
     def rounded(key, digits):
         return None if read.get(key) is None else round(read[key], digits)
+    power = read.get("power_w")
     return dict(sm_mhz=rounded("sm_mhz", 0), power_w=rounded("power_w", 1),
-                power_capped=rounded("power_capped", 3))
+                power_capped=rounded("power_capped", 3),
+                energy_j=None if power is None else round(power * fwdbwd_ms / 1e3, 4))
 
 
 def _ratio(base, r) -> float | None:
@@ -297,8 +303,8 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def print_table(records) -> None:
     print("| workload | impl | backend | recipe | fwd ms | fwd+bwd ms | TFLOP/s | x grouped_mm "
-          "| x compiled grouped_mm | peak GiB | saved GiB | SM MHz | W | capped |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| x compiled grouped_mm | peak GiB | saved GiB | SM MHz | W | capped | J |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         if "skipped" in r:
             continue
@@ -306,7 +312,8 @@ def print_table(records) -> None:
               f"| {r['fwdbwd_ms']:.3f} | {r['tflops']:.0f} | {_fmt(r['ratio_vs_grouped_mm'], '.2f', 'x')} "
               f"| {_fmt(r['ratio_vs_compiled_grouped_mm'], '.2f', 'x')} | {_fmt(r['peak_gib'], '.2f')} "
               f"| {_fmt(r['saved_gib'], '.2f')} | {_fmt(r.get('sm_mhz'), '.0f')} | {_fmt(r.get('power_w'), '.0f')} "
-              f"| {_fmt(None if r.get('power_capped') is None else 100 * r['power_capped'], '.0f', '%')} |")
+              f"| {_fmt(None if r.get('power_capped') is None else 100 * r['power_capped'], '.0f', '%')} "
+              f"| {_fmt(r.get('energy_j'), '.2f')} |")
 
 
 def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: str, meta: dict,
@@ -340,7 +347,7 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                          tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
                          peak_gib=None if peak is None else round(peak, 3),
                          saved_gib=None if saved is None else round(saved, 3),
-                         **_readings_record(read),
+                         **_readings_record(read, fwdbwd),
                          check_max_rel_err=float(f"{worst:.3e}"), notes=list(impl.notes))
         # As soon as it is measured: a run cut short still shows the rows it timed.
         print(f"{wl.name}: {label(record)} timed: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms", flush=True)

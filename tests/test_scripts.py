@@ -85,6 +85,20 @@ def test_bench_rows_do_not_inherit_the_fp8_weight_cache():
     assert seen and seen[0] == 0
 
 
+def test_bench_energy_column_is_power_times_time(capsys):
+    """J per forward+backward: the median power times the median time; "-" without NVML readings."""
+    read = dict(sm_mhz=1590.4, power_w=738.25, power_capped=1.0)
+    got = bench._readings_record(read, 8.054)
+    assert got == dict(sm_mhz=1590, power_w=738.2, power_capped=1.0, energy_j=round(738.25 * 8.054e-3, 4))
+    assert bench._readings_record(None, 8.054)["energy_j"] is None
+    row = dict(workload="w", impl="ours", backend="auto", recipe="bf16", fwd_ms=2.0, fwdbwd_ms=8.054, tflops=461.0,
+               ratio_vs_grouped_mm=3.1, ratio_vs_compiled_grouped_mm=1.75, peak_gib=3.97, saved_gib=0.48, **got)
+    bench.print_table([row, dict(row, **bench._readings_record(None, 8.054))])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| SM MHz | W | capped | J |") and lines[1].count("|") == lines[0].count("|")
+    assert lines[2].endswith("| 1590 | 738 | 100% | 5.95 |") and lines[3].endswith("| - | - | - | - |")
+
+
 def test_bench_reports_failing_and_wrong_rows(capsys):
     def raises(*args):
         raise RuntimeError("no kernel for this shape")
