@@ -4,6 +4,7 @@ kernel-gap arithmetic, the Liger adapter's argument conversion, the upstream GEM
 reasons and error arithmetic)."""
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ bench = _load("bench")
 compare_trees = _load("compare_trees")
 profile_layer = _load("profile_layer")
 gemm_bench = _load("gemm_bench")
+layer_variants = _load("layer_variants")
 
 TINY = Workload("tiny", 24, 32, 16, 4, 2)
 
@@ -97,6 +99,43 @@ def test_bench_energy_column_is_power_times_time(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("| SM MHz | W | capped | J |") and lines[1].count("|") == lines[0].count("|")
     assert lines[2].endswith("| 1590 | 738 | 100% | 5.95 |") and lines[3].endswith("| - | - | - | - |")
+
+
+def test_layer_variants_dry_run_end_to_end(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "layer_variants.py"), "--dry-run", "--reps", "1",
+                           "--rounds", "2"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| dry-run |")]
+    assert [line.split(" | ")[1] for line in rows] == list(layer_variants.VARIANTS)
+    assert all(" | same | " in line for line in rows), proc.stdout
+
+
+def test_layer_variants_give_the_launchers_their_options(monkeypatch):
+    """A variant's options reach every bf16 GEMM launch that takes them (not a gathering or paired one), and
+    the launchers are restored after it."""
+    from deep_gemm_ext import jit_kernels as kernels
+    seen = []
+
+    def fake(name):
+        def launcher(*args, **kwargs):
+            seen.append((name, kwargs))
+        return launcher
+    for name in layer_variants.LAUNCHERS:
+        monkeypatch.setattr(kernels, name, fake(name))
+    before = {n: getattr(kernels, n) for n in layer_variants.LAUNCHERS}
+    with layer_variants.variant("c2+pool"):
+        assert os.environ["DGE_FUSED_GATHER"] == "0"
+        kernels.m_grouped_bf16_gemm_nt_contiguous("a", "b", gather=None, scatter="s")
+        kernels.m_grouped_bf16_gemm_nt_contiguous("a", "b", gather="g")
+        kernels.m_grouped_bf16_gemm_nt_contiguous("a", "b", paired_n=True)
+        kernels.k_grouped_bf16_gemm_tn_contiguous("a", "b")
+    assert seen == [("m_grouped_bf16_gemm_nt_contiguous", dict(gather=None, scatter="s", cluster_n=2)),
+                    ("m_grouped_bf16_gemm_nt_contiguous", dict(gather="g")),
+                    ("m_grouped_bf16_gemm_nt_contiguous", dict(paired_n=True)),
+                    ("k_grouped_bf16_gemm_tn_contiguous", dict(cluster_n=2))]
+    assert {n: getattr(kernels, n) for n in layer_variants.LAUNCHERS} == before
+    with layer_variants.variant("default"):
+        assert {n: getattr(kernels, n) for n in layer_variants.LAUNCHERS} == before
 
 
 def test_bench_reports_failing_and_wrong_rows(capsys):
