@@ -5,9 +5,11 @@
 # to OUT_DIR, and the short tables come last.
 #
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STEP ...]
-#   steps (default: all): build tests fuzz compare bench transformers
+#   steps (default: all but variants): build tests fuzz compare bench transformers variants
 #   OLD_TREE=/path/to/older/tree  compare: y and gradients bit for bit against that tree (--hash-only)
 #   BENCH_ARGS="--workloads ..."  extra arguments of scripts/bench.py
+#   VARIANTS_ARGS="--workloads ..."  extra arguments of scripts/layer_variants.py (variants: the layer with GEMM
+#                                 options its plan does not take, time and J per step against the default)
 #   TEST_WORKERS=6                pytest-xdist workers of the tests step
 #   a wheel .whl/liger_kernel-*.whl (pure Python) is unpacked onto PYTHONPATH for the Liger rows,
 #   .whl/nvidia_ml_py-*.whl for bench.py's SM clock and power columns (where pynvml is missing)
@@ -68,6 +70,10 @@ if has bench; then
   timeout 900 python3 scripts/bench.py --json "$out/h200.json" --png "$out/h200.png" ${BENCH_ARGS:-} \
     > "$out/bench.log" 2>&1 || status=1
   note "bench"; grep -E "^\||not measured" "$out/bench.log" | tee -a "$summary"
+fi
+if has variants; then
+  timeout 600 python3 scripts/layer_variants.py ${VARIANTS_ARGS:-} > "$out/variants.log" 2>&1 || status=1
+  note "layer variants"; grep -E "^\|" "$out/variants.log" | tee -a "$summary"
 fi
 if has transformers; then
   timeout 300 python3 scripts/bench_transformers.py --json "$out/bench_transformers.json" > "$out/bench_tf.log" 2>&1 \
