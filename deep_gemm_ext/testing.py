@@ -5,6 +5,7 @@ import contextlib
 import os
 import statistics
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,19 @@ def environ(values: dict):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def host_median_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in milliseconds by the host's clock, after ``warmup`` calls: the
+    timer of the scripts' dry runs on a CPU, where there are no CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def median_ms(fn, reps: int = 10, warmup: int = 3, flush_l2: bool = False, calls: int = 1,

@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,8 +42,8 @@ import deep_gemm_ext as dge  # noqa: E402
 from deep_gemm_ext import _env  # noqa: E402
 from deep_gemm_ext.baselines import grouped_mm_moe, hf_loop_moe, liger_inputs, liger_unavailable_reason  # noqa: E402
 from deep_gemm_ext.recipes import WEIGHT_CACHE  # noqa: E402
-from deep_gemm_ext.testing import (WORKLOADS, GpuReadings, Workload, environ, make_inputs, median_ms,  # noqa: E402
-                                   rel_err)
+from deep_gemm_ext.testing import (WORKLOADS, GpuReadings, Workload, environ, host_median_ms,  # noqa: E402
+                                   make_inputs, median_ms, rel_err)
 
 
 def _ours(backend="auto", recipe="bf16"):
@@ -174,17 +172,6 @@ def check_errors(impl: Impl, device: str, wl: Workload = CHECK) -> dict[str, flo
     return {name: rel_err(out, ref) for name, out, ref in zip(OUTPUTS, (y, *grads), refs)}
 
 
-def _cpu_median_ms(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
     """(forward ms, forward+backward ms, peak GiB, saved GiB, readings); memory and readings are None off
     the GPU. ``readings``: ``testing.GpuReadings.medians()`` of the forward+backward repeats (SM clock,
@@ -198,7 +185,7 @@ def bench_one(impl: Impl, inputs, reps, device="cuda", calls: int = 1):
     dy = torch.randn_like(x)
     readings = GpuReadings() if device == "cuda" else None
     timer = (lambda fn, reps, during=None: median_ms(fn, reps, calls=calls, during=during)) if device == "cuda" \
-        else (lambda fn, reps, during=None: _cpu_median_ms(fn, reps))
+        else (lambda fn, reps, during=None: host_median_ms(fn, reps))
 
     def fwd_bwd():
         y = impl.fn(*args)

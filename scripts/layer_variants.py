@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deep_gemm_ext as dge  # noqa: E402
-from deep_gemm_ext.testing import WORKLOADS, GpuReadings, Workload, environ, make_inputs, median_ms  # noqa: E402
+from deep_gemm_ext.testing import (WORKLOADS, GpuReadings, Workload, environ, host_median_ms,  # noqa: E402
+                                   make_inputs, median_ms)
 
 #: (environment, options given to every bf16 GEMM launch that takes them) per variant.
 VARIANTS = {
@@ -91,16 +92,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _cpu_median_ms(fn, reps: int) -> float:
-    import time
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def run_workload(wl: Workload, names, reps: int, calls: int, rounds: int, device: str) -> list[dict]:
     x, idx, w, l1, l2 = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
                                     device=device)
@@ -130,7 +121,7 @@ def run_workload(wl: Workload, names, reps: int, calls: int, rounds: int, device
             try:
                 with variant(name):
                     ms = (median_ms(step, reps, calls=calls, during=readings) if device == "cuda"
-                          else _cpu_median_ms(step, reps))
+                          else host_median_ms(step, reps))
             finally:
                 if readings is not None:
                     readings.close()
