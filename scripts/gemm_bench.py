@@ -28,8 +28,9 @@ pool), and the fp8 result's relative error against the bf16 one. --wgrad prints 
 --clusters: per GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192), TFLOP/s
 of clusters of 1 and of 2 CTAs (the launchers' ``cluster_n``: adjacent M blocks sharing the B tile by
 multicast) for the bf16 GEMMs (store epilogue, and the layer's combine epilogues) and the fp8 M-grouped
-GEMMs (both mainloops), next to one dense cuBLAS bf16 GEMM of the same M x N x K; "bits" says whether
-cluster 2's output equals cluster 1's bit for bit (it must: same wgmmas in the same K order).
+GEMMs (both mainloops), the better of two alternating rounds each, next to one dense cuBLAS bf16 GEMM of
+the same M x N x K; "bits" says whether cluster 2's output equals cluster 1's bit for bit (it must: same
+wgmmas in the same K order).
 
 --epilogue: per bf16 GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192: the
 store GEMMs, the L1 forward gathering x's rows, and the layer's two combine epilogues), TFLOP/s with 2 and
@@ -70,6 +71,7 @@ keeps the GPU busy for a whole step can be measured against.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -442,6 +444,22 @@ def _cluster_cases(w):
     return cases, used
 
 
+def _variants_row(variants: dict, flops: float, used: int, args) -> dict:
+    """One GEMM under each of ``variants`` (label -> fn() -> output): ``bit_identical``, whether every
+    output equals the first's where written (pool rows below ends[-1] for a store, every slot for a
+    combine under uniform routing, every expert for a K-grouped GEMM; [:used] keeps all of the latter
+    two), and each label's TFLOP/s, the better median of two rounds with the variants alternating."""
+    outputs = [fn() for fn in variants.values()]
+    torch.cuda.synchronize()
+    first = outputs[0][:used].view(torch.int16)
+    row = {"bit_identical": all(torch.equal(first, o[:used].view(torch.int16)) for o in outputs[1:])}
+    del outputs, first
+    for _ in range(2):
+        for label, fn in variants.items():
+            row[label] = max(row.get(label, 0.0), flops / median_ms(fn, args.reps, calls=args.calls) / 1e9)
+    return row
+
+
 def _cluster_table(args) -> int:
     results = []
     for workload in args.workload or _TWO_WORKLOADS:
@@ -449,16 +467,9 @@ def _cluster_table(args) -> int:
         cublas = {}
         cases, used = _cluster_cases(w)
         for dtype, name, (m, n, k), fn in cases:
-            flops = 2.0 * m * n * k
-            # Compared where written: pool rows below ends[-1] (store), every slot (combine: uniform
-            # routing fills all T*K), every expert (K-grouped); [:used] keeps all of the latter two.
-            one, two = fn(1), fn(2)
-            torch.cuda.synchronize()
-            same = torch.equal(one[:used].view(torch.int16), two[:used].view(torch.int16))
-            del one, two
-            row = {"workload": w.name, "dtype": dtype, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same}
-            for c in gg.CLUSTER_SIZES:
-                row[f"c{c}"] = flops / median_ms(lambda: fn(c), args.reps, calls=args.calls) / 1e9
+            row = {"workload": w.name, "dtype": dtype, "gemm": name, "m": m, "n": n, "k": k}
+            row.update(_variants_row({f"c{c}": functools.partial(fn, c) for c in gg.CLUSTER_SIZES},
+                                     2.0 * m * n * k, used, args))
             row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas, calls=args.calls)
             results.append(row)
         torch.cuda.empty_cache()
@@ -466,7 +477,8 @@ def _cluster_table(args) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     print(f"TFLOP/s on {torch.cuda.get_device_name()}: clusters of 1 and 2 CTAs (cluster_n; 2 = adjacent M blocks "
-          "sharing B by multicast); dense cuBLAS: bf16 torch.matmul of the same M x N x K")
+          "sharing B by multicast), the better of two alternating rounds each; dense cuBLAS: bf16 torch.matmul of "
+          "the same M x N x K")
     print(f"{'workload':<22} | {'dtype':<11} | {'gemm':<19} | {'M x N x K':>20} | {'c1':>6} | {'c2':>6} | "
           f"c2/c1 | {'cuBLAS':>6} | bits")
     for r in results:
@@ -507,21 +519,9 @@ def _epilogue_table(args) -> int:
         cublas = {}
         cases, used = _epilogue_cases(w)
         for name, (m, n, k), fn, out_n in cases:
-            flops = 2.0 * m * n * k
-            variants = {"e2": {}, "e4": dict(epilogue_buffers=4)}
-            # Compared where written: pool rows below ends[-1] (store), every slot (combine: uniform
-            # routing fills all T*K), every expert (K-grouped); [:used] keeps all of the latter two.
-            two, four = fn(), fn(epilogue_buffers=4)
-            torch.cuda.synchronize()
-            same = torch.equal(two[:used].view(torch.int16), four[:used].view(torch.int16))
-            del two, four
-            row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "bit_identical": same,
-                   "tile": gg.select_tile(out_n).block_n}
-            # Two rounds, the variants alternating; each variant's best median.
-            for _ in range(2):
-                for label, kw in variants.items():
-                    t = flops / median_ms(lambda: fn(**kw), args.reps, calls=args.calls) / 1e9
-                    row[label] = max(row.get(label, 0.0), t)
+            row = {"workload": w.name, "gemm": name, "m": m, "n": n, "k": k, "tile": gg.select_tile(out_n).block_n}
+            row.update(_variants_row({"e2": fn, "e4": functools.partial(fn, epilogue_buffers=4)},
+                                     2.0 * m * n * k, used, args))
             row["cublas"] = _cublas_tflops(m, n, k, args.reps, cublas, calls=args.calls)
             results.append(row)
         torch.cuda.empty_cache()

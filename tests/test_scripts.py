@@ -138,6 +138,29 @@ def test_layer_variants_give_the_launchers_their_options(monkeypatch):
         assert {n: getattr(kernels, n) for n in layer_variants.LAUNCHERS} == before
 
 
+def test_gemm_bench_variants_row_checks_bits_where_written_and_alternates(monkeypatch):
+    """gemm_bench's variant tables: bits compared on the first ``used`` rows only, each variant timed in two
+    rounds with the variants alternating, its better TFLOP/s kept."""
+    order, times = [], iter([4.0, 2.0, 1.0, 8.0])  # ms: round 1 a, b; round 2 a, b
+
+    def fake_median_ms(fn, reps, calls=1):
+        order.append(fn())
+        return next(times)
+    monkeypatch.setattr(gemm_bench, "median_ms", fake_median_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    out = torch.randn(6, 4).to(torch.bfloat16)
+    other = out.clone()
+    other[4:] = float("nan")  # past `used`: not compared
+    variants = {"a": lambda: out, "b": lambda: other}
+    args = types.SimpleNamespace(reps=1, calls=1)
+    row = gemm_bench._variants_row(variants, 1e9, 4, args)
+    assert row == {"bit_identical": True, "a": 1e9 / 1.0 / 1e9, "b": 1e9 / 2.0 / 1e9}
+    assert [o is out for o in order] == [True, False, True, False]
+    other[0, 0] = other[0, 0] + 1
+    times = iter([1.0] * 4)
+    assert gemm_bench._variants_row(variants, 1e9, 4, args)["bit_identical"] is False
+
+
 def test_bench_reports_failing_and_wrong_rows(capsys):
     def raises(*args):
         raise RuntimeError("no kernel for this shape")
