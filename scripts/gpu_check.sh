@@ -47,10 +47,11 @@ fi
 if has tests; then
   # Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}" || echo "")
-  timeout 900 python3 -m pytest -q -rfE $workers --ignore=tests/test_gpu_fuzz.py --ignore=tests/test_gpu_ep_symmetric.py --ignore=tests/test_gpu_ep_overlap.py \
+  # -v: each test's outcome is logged as it ends, so a run cut by the time limit still names its failures.
+  timeout 900 python3 -m pytest -v -rfE $workers --ignore=tests/test_gpu_fuzz.py --ignore=tests/test_gpu_ep_symmetric.py --ignore=tests/test_gpu_ep_overlap.py \
     tests > "$out/tests.log" 2>&1 || status=1
   note "tests: $(tail -1 "$out/tests.log")"
-  grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 | tee -a "$summary"
+  grep -E "(^|\] )(FAILED|ERROR) " "$out/tests.log" | sort -u | head -30 | tee -a "$summary"
   # Ranks emulated on one GPU: their own process, with the driver settings they need from CUDA's start.
   CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 DGE_EP_TIMEOUT_S=${DGE_EP_TIMEOUT_S:-30} \
     timeout 600 python3 -m pytest -q -rfE tests/test_gpu_ep_symmetric.py tests/test_gpu_ep_overlap.py > "$out/tests_ep.log" 2>&1 || status=1

@@ -11,7 +11,6 @@ options, on the same inputs, the variants alternating over several rounds:
     pool      x gathered into a pool first (DGE_FUSED_GATHER=0), the L1 forward read by TMA
     c2        every bf16 GEMM that takes it on clusters of 2 CTAs (B multicast; not the gathering L1 forward)
     c2+pool   both: then the L1 forward is on clusters of 2 as well
-    e4        every bf16 GEMM with 4 epilogue staging buffers (3 smem stages)
 
 Per variant: the median time, its ratio to the default, NVML's SM clock, power and capped share while
 the samples ran, the energy of one step (power x time), whether y and the four gradients equal the
@@ -42,7 +41,6 @@ VARIANTS = {
     "pool": ({"DGE_FUSED_GATHER": "0"}, {}),
     "c2": ({}, dict(cluster_n=2)),
     "c2+pool": ({"DGE_FUSED_GATHER": "0"}, dict(cluster_n=2)),
-    "e4": ({}, dict(epilogue_buffers=4)),
 }
 LAUNCHERS = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nn_contiguous",
              "k_grouped_bf16_gemm_tn_contiguous")

@@ -121,9 +121,9 @@ def test_bf16_sources_do_not_mention_the_element_type():
         code = config.code()
         assert config.dtype == "bf16" and "ElementType" not in code and "fp8" not in code, config.name
         assert "dge::gemm::MainloopBF16, Epilogue" in code, config.name
-    # + the clusters of 2 (tests/test_gpu_gemm_clusters.py), + the 4-buffer epilogues
-    # (tests/test_gpu_gemm_epilogue_staging.py), + the waiting L1 gathers (tests/test_gpu_ep_overlap.py)
-    assert len(gg.configs()) == 13 + 5 + 5 + 2
+    # + the clusters of 2 (tests/test_gpu_gemm_clusters.py), + the waiting L1 gathers
+    # (tests/test_gpu_ep_overlap.py)
+    assert len(gg.configs()) == 13 + 5 + 2
 
 
 @pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(gather_a="cp_async"), dict(paired_n=True),

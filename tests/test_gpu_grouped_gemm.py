@@ -17,6 +17,7 @@ from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_routing
 
 from conftest import requires_hopper
+from gpu_utils import assert_close_where_owned, m_grouped_reference, nan_bf16, routed_pool, scatter_case
 
 
 
@@ -182,6 +183,23 @@ def test_nt_paired_matches_plain():
     paired = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, paired_n=True)
     used = ends[-1].item()
     assert torch.equal(plain[:used], paired[:used])
+
+
+@requires_hopper
+def test_nt_many_tiles_per_cta():
+    # A long pool with a short K: each persistent CTA runs many tiles with a one-k-block mainloop between
+    # epilogues, so a slice's first chunks reuse staging buffers that the previous tile's stores may still
+    # be reading. The store epilogue and the weighted combine epilogue, against fp64.
+    starts, ends, rows = routed_pool(16384, 8, 2, "uniform", 41)
+    g = torch.Generator().manual_seed(41)
+    n, k = 2048, 64
+    a = torch.randn(rows, k, generator=g).cuda().to(torch.bfloat16)
+    b = (torch.randn(8, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
+    out = gg.m_grouped_bf16_gemm_nt_contiguous(a, b, starts, ends, nan_bf16(rows, n))
+    assert_close_where_owned(out, m_grouped_reference(a, lambda e: b[e].T, starts, ends, n), "many tiles, store")
+    c = scatter_case("uniform", 16384, n, k, "nt", True, 42, num_experts=8, top_k=2)
+    out = c.fn(c.a, c.b, c.meta.starts, c.meta.ends, nan_bf16(c.slots, n), scatter=c.scatter)
+    assert_close_where_owned(out, c.reference(), "many tiles, combine")
 
 
 @requires_hopper

@@ -91,10 +91,8 @@ _EPILOGUES = {
                                  _SCATTER_ARGS),
 }
 
-#: The store / combine epilogues with more than two staging buffers (GemmConfig.epilogue_buffers).
-_STAGED_CPP = {"store": "dge::gemm::EpilogueStoreBF16Buffers<{buffers}>",
-               "scatter": "dge::gemm::EpilogueScatterSlotsBuffers<false, {buffers}>",
-               "scatter_weighted": "dge::gemm::EpilogueScatterSlotsBuffers<true, {buffers}>"}
+#: The store epilogue of the 192-wide fp8 tile: its three 64 x 64 chunks per slice staged in three buffers.
+_STAGED_STORE_CPP = "dge::gemm::EpilogueStoreBF16Buffers<3>"
 
 
 #: Loader policies (kernels/loader/sm90_gemm_loaders.cuh) by gathering prologue: None (A is a pool) or
@@ -180,14 +178,6 @@ def fp8_static_k_stages(shape_k: int, block_n: int = _FP8_BLOCK_N) -> int | None
 #: unpaired tiles.
 CLUSTER_SIZES = (1, 2)
 _CLUSTER_RULES = dict(gather_a=None, paired_n=False)
-#: Staging buffers per consumer warpgroup in the store epilogue (GemmConfig.epilogue_buffers). 2: 64 x 64
-#: chunks alternate between two 8 KiB buffers, so the third chunk of a 64 x 256 slice waits for the first
-#: one's TMA store to finish reading. 4: the whole slice is staged, the chunks of a tile never wait on
-#: each other; 64 KiB for both warpgroups, so the 256-wide tile runs 3 smem stages instead of 4. Same
-#: bits as 2. What it takes: 256-wide bf16 tiles.
-EPILOGUE_BUFFERS = (2, 4)
-#: Stages of the 256-wide tile with 4 epilogue buffers (SmemLayout's 227 KiB: 3 x 48 KiB + 64 KiB).
-_STAGED_STAGES = {256: 3}
 
 
 @dataclass(frozen=True)
@@ -204,9 +194,6 @@ class GemmConfig:
     # tile by TMA multicast (kernels/scheduler/sm90_grouped.cuh); plain TMA loader and unpaired tiles
     # only.
     cluster_n: int = 1
-    # Staging buffers of the store / combine epilogues per consumer warpgroup (EPILOGUE_BUFFERS): 4
-    # stages a whole 64 x 256 slice (256-wide bf16 tiles, 3 smem stages), 2 is the default.
-    epilogue_buffers: int = 2
     # The cp.async gather of A waits, tile by tile, for the source ranks of its rows to have
     # arrived (LoaderGatherCpAsyncAwait: the L1 forward overlapped with the expert-parallel
     # dispatch, DGE_EP_OVERLAP); its kernel arguments are AWAIT_ARGS.
@@ -256,16 +243,6 @@ class GemmConfig:
             wrong = {k: getattr(self, k) for k, v in _CLUSTER_RULES.items() if getattr(self, k) != v}
             if wrong:
                 raise ValueError(f"GemmConfig: cluster_n={self.cluster_n} takes {_CLUSTER_RULES}, got {wrong}")
-        if (not isinstance(self.epilogue_buffers, int) or isinstance(self.epilogue_buffers, bool)
-                or self.epilogue_buffers not in EPILOGUE_BUFFERS):
-            raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers!r}, expected one of "
-                             f"{EPILOGUE_BUFFERS}")
-        if self.epilogue_buffers != 2:
-            staged = dict(block_n=256, dtype="bf16")
-            wrong = {k: getattr(self, k) for k, v in staged.items() if getattr(self, k) != v}
-            if wrong:
-                raise ValueError(f"GemmConfig: epilogue_buffers={self.epilogue_buffers} takes {staged} (a 128-wide "
-                                 f"slice fits the 2 default buffers), got {wrong}")
         if self.gather_a not in _LOADERS:
             raise ValueError(f"GemmConfig: gather_a={self.gather_a!r}, expected one of {tuple(_LOADERS)}")
         if not isinstance(self.await_rows, bool):
@@ -298,7 +275,7 @@ class GemmConfig:
             return fp8_static_k_stages(self.shape_k, self.block_n)
         if self.dtype == "fp8":
             return _FP8_STAGES[self.block_n]
-        return _STAGED_STAGES[self.block_n] if self.epilogue_buffers != 2 else _STAGES[self.block_n]
+        return _STAGES[self.block_n]
 
     @property
     def name(self) -> str:
@@ -313,8 +290,6 @@ class GemmConfig:
             name += f"_{self.fp8_mainloop}"
         if self.cluster_n > 1:
             name += f"_c{self.cluster_n}"
-        if self.epilogue_buffers != 2:
-            name += f"_e{self.epilogue_buffers}"
         if self.await_rows:
             name += "_await"
         if self.shape_k:
@@ -335,12 +310,10 @@ class GemmConfig:
         gemm_type, major_a, major_b = _TYPES[self.layout]
         epilogue = _EPILOGUES[self.epilogue]
         epilogue_cpp = epilogue.cpp
-        if self.epilogue_buffers != 2:
-            epilogue_cpp = _STAGED_CPP[self.epilogue].format(buffers=self.epilogue_buffers)
-        elif self.block_n == 192 and self.epilogue == "store":
+        if self.block_n == 192 and self.epilogue == "store":
             # The 192-wide fp8 tile's three chunks per slice all staged before their TMA stores: with
             # two buffers the third would wait inside the tile for the first one's store.
-            epilogue_cpp = _STAGED_CPP["store"].format(buffers=3)
+            epilogue_cpp = _STAGED_STORE_CPP
         loader = _AWAIT_LOADER if self.await_rows else _LOADERS[self.gather_a]
         mainloop = MAINLOOPS[self.dtype]
         mainloop_cpp = FP8_MAINLOOPS[self.fp8_mainloop] if self.dtype == "fp8" else mainloop.cpp
@@ -410,20 +383,6 @@ def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False) -> None:
                              f"and unpaired tiles (expected {label}={plain!r})")
 
 
-def _check_epilogue_buffers(epilogue_buffers) -> None:
-    """``epilogue_buffers=`` of a launcher: one of EPILOGUE_BUFFERS."""
-    if (not isinstance(epilogue_buffers, int) or isinstance(epilogue_buffers, bool)
-            or epilogue_buffers not in EPILOGUE_BUFFERS):
-        raise ValueError(f"epilogue_buffers={epilogue_buffers!r}: expected one of {EPILOGUE_BUFFERS}")
-
-
-def _staged_buffers(epilogue_buffers: int, block_n: int) -> int:
-    """The config's epilogue_buffers for the launcher's ``epilogue_buffers=``: where the tile is 128 wide
-    (N that a 128-wide tile pads less) the two default buffers already hold the warpgroup's whole
-    64 x 128 slice, so that tile runs the default kernel."""
-    return epilogue_buffers if block_n == 256 else 2
-
-
 def select_tile(n: int, *, divides: bool = False) -> Tile:
     """The candidate tile for N columns: the one that pads N least, ties going to the earlier
     (preferred) candidate. ``divides``: only tiles whose width divides N."""
@@ -447,12 +406,7 @@ def _all_configs() -> list[GemmConfig]:
     clusters = [GemmConfig(layout, 256, cluster_n=2) for layout in ("nt", "nn", "tn")]
     clusters += [GemmConfig("nt", 256, epilogue="scatter_weighted", cluster_n=2),
                  GemmConfig("nn", 256, epilogue="scatter", cluster_n=2)]
-    # Four epilogue buffers (epilogue_buffers=4, 3 stages): the 256-wide store GEMMs of every layout and
-    # the combine epilogues.
-    staged = [GemmConfig(layout, 256, epilogue_buffers=4) for layout in ("nt", "nn", "tn")]
-    staged += [GemmConfig("nt", 256, epilogue="scatter_weighted", epilogue_buffers=4),
-               GemmConfig("nn", 256, epilogue="scatter", epilogue_buffers=4)]
-    return configs + clusters + staged
+    return configs + clusters
 
 
 @jit.register("sm90_bf16_grouped_gemm")
@@ -823,10 +777,10 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
-    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers)
+               scatter: Scatter | None = None, cluster_n: int = 1) -> torch.Tensor:
+    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n)
     num_experts, k, rows, n, block_n, config = checked(key, lambda: _m_grouped_checks(
-        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers))
+        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n))
     if out is None:
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
     if config is None:  # nothing to compute
@@ -842,10 +796,9 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     return out
 
 
-def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers):
+def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n):
     """Every check of :func:`_m_grouped` that its key settles; ``(E, K, rows, N, block_n, config)``,
     config None when there is nothing to compute."""
-    _check_epilogue_buffers(epilogue_buffers)
     _check_gather(gather)
     _check_cluster(cluster_n, gather=gather, paired_n=paired_n)
     if scatter is not None and paired_n:
@@ -875,7 +828,6 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, cluster_n=cluster_n,
-                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n),
                            await_rows=_await_of(gather) is not None)
     return num_experts, k, rows, n, block_n, config
 
@@ -883,7 +835,7 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
+                                      cluster_n: int = 1) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -893,38 +845,34 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter has weights); see
     Scatter. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks
-    by multicast, without gather or paired_n), same bits under each. ``epilogue_buffers``: staging
-    buffers per consumer warpgroup of the store / combine epilogue (EPILOGUE_BUFFERS); 4 stages a whole
-    64 x 256 slice of a 256-wide tile (3 smem stages instead of 4), same bits as 2; a 128-wide tile (N
-    it pads less) runs the default kernel, since its two buffers already hold the whole slice.
+    by multicast, without gather or paired_n), same bits under each.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, epilogue_buffers)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, scatter: Scatter | None = None,
-                                      cluster_n: int = 1, epilogue_buffers: int = 2) -> torch.Tensor:
+                                      cluster_n: int = 1) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for
-    combine_slots). ``cluster_n``, ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
+    combine_slots). ``cluster_n``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, epilogue_buffers)
+    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                                      out: torch.Tensor | None = None, *, cluster_n: int = 1,
-                                      epilogue_buffers: int = 2) -> torch.Tensor:
+                                      out: torch.Tensor | None = None, *, cluster_n: int = 1) -> torch.Tensor:
     """out [E, M, N] bf16 with ``out[e] = a[s:t].T @ b[s:t]`` over expert e's pool rows [s, t).
 
     a [P, M], b [P, N] bf16 pools (e.g. dh and x's pool for dW1 [E, 2I, H]), M a multiple of 128.
     Experts without rows get zeros. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 pairs adjacent M
-    blocks of one expert, sharing B). ``epilogue_buffers``: as for m_grouped_bf16_gemm_nt_contiguous.
+    blocks of one expert, sharing B).
     """
-    key = checks_key("k", a, b, starts, ends, out, cluster_n, epilogue_buffers)
+    key = checks_key("k", a, b, starts, ends, out, cluster_n)
     num_experts, rows, m, n, block_n, config = checked(key, lambda: _k_grouped_checks(
-        a, b, starts, ends, out, cluster_n, epilogue_buffers))
+        a, b, starts, ends, out, cluster_n))
     if out is None:
         out = torch.empty((num_experts, m, n), dtype=torch.bfloat16, device=a.device)
     if num_experts == 0 or m == 0 or n == 0:
@@ -938,10 +886,9 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     return out
 
 
-def _k_grouped_checks(a, b, starts, ends, out, cluster_n, epilogue_buffers):
+def _k_grouped_checks(a, b, starts, ends, out, cluster_n):
     """Every check of :func:`k_grouped_bf16_gemm_tn_contiguous` that its key settles;
     ``(E, rows, M, N, block_n, config)``, config None when there is nothing to compute."""
-    _check_epilogue_buffers(epilogue_buffers)
     _check_cluster(cluster_n)
     num_experts = _check_inputs(a, b, 2, starts, ends)
     rows = a.shape[0]
@@ -956,6 +903,5 @@ def _k_grouped_checks(a, b, starts, ends, out, cluster_n, epilogue_buffers):
     if num_experts == 0 or m == 0 or n == 0 or rows == 0:
         return num_experts, rows, m, n, 0, None
     block_n = select_tile(n).block_n
-    config = cached_config("tn", block_n, cluster_n=cluster_n,
-                           epilogue_buffers=_staged_buffers(epilogue_buffers, block_n))
+    config = cached_config("tn", block_n, cluster_n=cluster_n)
     return num_experts, rows, m, n, block_n, config

@@ -109,7 +109,7 @@ __device__ __forceinline__ void stage_chunk(uint32_t buf, uint32_t thread, const
 //   kNumBuffers = 2  store(): chunk c waits for the store of chunk c - 2 to finish reading its
 //                    buffer, inside the tile when the slice has more than two chunks (BLOCK_N 256);
 //                    two named-barrier syncs per chunk.
-//   kNumBuffers = 3, 4  store_slice(): the whole 64 x 192 / 64 x 256 slice staged at once, so the chunks of a tile
+//   kNumBuffers = 3  store_slice(): the whole 64 x 192 slice (the 192-wide fp8 tile) staged at once, so the chunks of a tile
 //                    never wait on each other; only the first thing the next tile's epilogue does,
 //                    waiting for this tile's stores to have read their buffers, waits at all, and
 //                    those stores had a whole mainloop to finish. Two named-barrier syncs per tile:
@@ -118,7 +118,7 @@ __device__ __forceinline__ void stage_chunk(uint32_t buf, uint32_t thread, const
 template <uint32_t kNumBuffers = 2>
 class WarpgroupChunkStore {
 public:
-    static_assert(kNumBuffers >= 2 && kNumBuffers <= 4, "WarpgroupChunkStore: 2, 3 or 4 staging buffers");
+    static_assert(kNumBuffers == 2 || kNumBuffers == 3, "WarpgroupChunkStore: 2 or 3 staging buffers");
     static constexpr uint32_t kChunkBytes = 64 * 64 * 2;
     static constexpr uint32_t kBuffers = kNumBuffers;
     static constexpr uint32_t kSmemBytes = kNumBuffers * kChunkBytes;

@@ -14,11 +14,8 @@
 // warpgroup's slice is staged in swizzled shared memory (stmatrix), then the warpgroup stores it row
 // by row: thread t moves the 16-byte column t % 8 of rows t / 8 + 16 i, so each warp writes four
 // whole 128-byte row segments per instruction; a thread reads its four rows of a chunk from shared
-// memory before it stores any of them, so the four loads are in flight together.
-//
-// kNumBuffers staging buffers per warpgroup (EpilogueScatterSlotsBuffers): 2 (EpilogueScatterSlots)
-// alternate chunk by chunk, one named-barrier sync per chunk; 4 hold the whole 64 x 256 slice, two
-// syncs per tile (the previous slice's reads done, this slice staged), the slice's stores back to back.
+// memory before it stores any of them, so the four loads are in flight together. Two staging buffers
+// per warpgroup alternate chunk by chunk, one named-barrier sync per chunk.
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -30,18 +27,18 @@
 
 namespace dge::gemm {
 
-template <bool kWeighted, uint32_t kNumBuffers>
-struct EpilogueScatterSlotsBuffers {
-    static_assert(kNumBuffers == 2 || kNumBuffers == 4, "EpilogueScatterSlots: 2 or 4 staging buffers");
+template <bool kWeighted>
+struct EpilogueScatterSlots {
+    static constexpr uint32_t kNumBuffers = 2;
     static constexpr uint32_t kChunkBytes = sm90::WarpgroupChunkStore<>::kChunkBytes;
     static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * kNumBuffers * kChunkBytes;
     static constexpr uint32_t kRowsPerThread = 4;  // 64 rows / (128 threads / 8 columns of 16 bytes)
     uint32_t buffers;
     uint32_t barrier_id;
     uint32_t thread;
-    uint32_t slot = 0;  // kNumBuffers = 2: which of the two staging buffers the next chunk uses
+    uint32_t slot = 0;  // which of the two staging buffers the next chunk uses
 
-    __device__ EpilogueScatterSlotsBuffers(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
+    __device__ EpilogueScatterSlots(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
         : buffers(smem + warpgroup * kNumBuffers * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup),
           thread(thread_) {}
 
@@ -85,44 +82,21 @@ struct EpilogueScatterSlotsBuffers {
                                                const uint32_t& num_slots, const uint32_t& shape_n) {
         const uint32_t col16 = thread % 8;
         const Rows rows = rows_of(pre, out, num_slots, shape_n);
-        if constexpr (kNumBuffers == 2) {
 #pragma unroll
-            for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
-                uint32_t packed[16];
+        for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
+            uint32_t packed[16];
 #pragma unroll
-                for (uint32_t i = 0; i < 16; ++i)
-                    packed[i] = pack_pair(acc, chunk * 16 + i, pre.acc_weight);
-                // Two buffers: the barrier after staging chunk c also orders every thread's reads of
-                // chunk c - 1, so chunk c + 1 may overwrite that buffer.
-                const uint32_t buf = buffers + slot * kChunkBytes;
-                sm90::stage_chunk(buf, thread, packed);
-                ptx::named_barrier_sync(barrier_id, 128);
-                const uint32_t col = tile.cols.col(chunk) + 8 * col16;
-                if (col < shape_n)
-                    store_rows(buf, rows, col);
-                slot ^= 1;
-            }
-        } else {
-            constexpr uint32_t kNumChunks = kNumAccum / 32;
-            static_assert(kNumChunks <= kNumBuffers, "EpilogueScatterSlots: one buffer per chunk of the slice");
-            // Every thread's reads of the previous slice are done before any buffer is overwritten.
+            for (uint32_t i = 0; i < 16; ++i)
+                packed[i] = pack_pair(acc, chunk * 16 + i, pre.acc_weight);
+            // Two buffers: the barrier after staging chunk c also orders every thread's reads of
+            // chunk c - 1, so chunk c + 1 may overwrite that buffer.
+            const uint32_t buf = buffers + slot * kChunkBytes;
+            sm90::stage_chunk(buf, thread, packed);
             ptx::named_barrier_sync(barrier_id, 128);
-#pragma unroll
-            for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
-                uint32_t packed[16];
-#pragma unroll
-                for (uint32_t i = 0; i < 16; ++i)
-                    packed[i] = pack_pair(acc, chunk * 16 + i, pre.acc_weight);
-                sm90::stage_chunk(buffers + chunk * kChunkBytes, thread, packed);
-            }
-            ptx::named_barrier_sync(barrier_id, 128);
-#pragma unroll
-            for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
-                const uint32_t buf = buffers + chunk * kChunkBytes;
-                const uint32_t col = tile.cols.col(chunk) + 8 * col16;
-                if (col < shape_n)
-                    store_rows(buf, rows, col);
-            }
+            const uint32_t col = tile.cols.col(chunk) + 8 * col16;
+            if (col < shape_n)
+                store_rows(buf, rows, col);
+            slot ^= 1;
         }
     }
 
@@ -174,12 +148,6 @@ struct EpilogueScatterSlotsBuffers {
         for (uint32_t i = 0; i < kRowsPerThread; ++i)
             ptx::st_global_v4_if(rows.stored[i], rows.ptr[i] + col, v[i]);
     }
-};
-
-// The default: two staging buffers per warpgroup.
-template <bool kWeighted>
-struct EpilogueScatterSlots : EpilogueScatterSlotsBuffers<kWeighted, 2> {
-    using EpilogueScatterSlotsBuffers<kWeighted, 2>::EpilogueScatterSlotsBuffers;
 };
 
 }  // namespace dge::gemm

@@ -37,9 +37,8 @@ struct EpilogueTile {
 };
 
 // Args: tma_c over C (64 x 64 boxes, 128B swizzle). kNumBuffers: the warpgroup's staging buffers
-// (sm90::WarpgroupChunkStore): 2 stages chunk by chunk; 3 or 4 stage a whole 64 x 192 / 64 x 256 slice
-// before its stores (64 KiB for both warpgroups at 4, so a 128 x 256 tile keeps 3 smem stages, not 4;
-// the 128 x 192 fp8 tile takes 3). Same bytes stored either way.
+// (sm90::WarpgroupChunkStore): 2 stages chunk by chunk (every tile but one); 3 stage the whole 64 x 192
+// slice of the 128 x 192 fp8 tile before its stores. Same bytes stored either way.
 template <uint32_t kNumBuffers>
 struct EpilogueStoreBF16Buffers {
     using Store = sm90::WarpgroupChunkStore<kNumBuffers>;
