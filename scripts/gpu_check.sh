@@ -11,6 +11,8 @@
 #   VARIANTS_ARGS="--workloads ..."  extra arguments of scripts/layer_variants.py (variants: the layer with GEMM
 #                                 options its plan does not take, time and J per step against the default)
 #   TEST_WORKERS=6                pytest-xdist workers of the tests step
+#   TESTS="tests/test_a.py ..."   the tests step's files (default: tests, all of them), to split it over runs
+#   TESTS_LIMIT=900               the tests step's time limit in seconds
 #   a wheel .whl/liger_kernel-*.whl (pure Python) is unpacked onto PYTHONPATH for the Liger rows,
 #   .whl/nvidia_ml_py-*.whl for bench.py's SM clock and power columns (where pynvml is missing)
 set -uo pipefail
@@ -48,8 +50,9 @@ if has tests; then
   # Several workers share the GPU; test_gpu_fuzz has its own time budget and runs alone.
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}" || echo "")
   # -v: each test's outcome is logged as it ends, so a run cut by the time limit still names its failures.
-  timeout 900 python3 -m pytest -v -rfE $workers --ignore=tests/test_gpu_fuzz.py --ignore=tests/test_gpu_ep_symmetric.py --ignore=tests/test_gpu_ep_overlap.py \
-    tests > "$out/tests.log" 2>&1 || status=1
+  timeout "${TESTS_LIMIT:-900}" python3 -m pytest -v -rfE $workers --ignore=tests/test_gpu_fuzz.py \
+    --ignore=tests/test_gpu_ep_symmetric.py --ignore=tests/test_gpu_ep_overlap.py ${TESTS:-tests} > "$out/tests.log" 2>&1 \
+    || status=1
   note "tests: $(tail -1 "$out/tests.log")"
   grep -E "(^|\] )(FAILED|ERROR) " "$out/tests.log" | sort -u | head -30 | tee -a "$summary"
   # Ranks emulated on one GPU: their own process, with the driver settings they need from CUDA's start.
