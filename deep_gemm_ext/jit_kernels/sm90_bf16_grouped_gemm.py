@@ -13,8 +13,13 @@ the combine epilogue of the L2 forward (weighted) and the L1 dgrad, reduced by c
 
 Expert ``e`` owns pool rows ``[starts[e], ends[e])``; both are multiples of ``GROUP_ALIGNMENT`` (the
 routing of ``deep_gemm_ext.routing`` produces such pools) and padding rows of the pool are zero.
-M-grouped GEMMs leave output rows that no expert owns unwritten; the K-grouped GEMM writes zeros
-for experts without rows. ``starts``/``ends`` stay on the device: nothing here synchronises.
+The M-grouped GEMMs also take each expert's real end for ``ends`` (``starts + counts``): the 128-row
+block holding an expert's last rows is still its own, and where it holds at most 64 of them it runs
+as a half tile (kernels/scheduler/sm90_grouped.cuh): its rows [64, 128), padding, are stored as zeros
+without being computed, which on a pool with zero padding rows are the rows the whole tile would
+store. M-grouped GEMMs leave output rows that no expert owns unwritten; the K-grouped GEMM (aligned
+``ends`` only: its K loop runs over whole blocks) writes zeros for experts without rows.
+``starts``/``ends`` stay on the device: nothing here synchronises.
 """
 from __future__ import annotations
 
