@@ -173,9 +173,10 @@ def fused_combine() -> bool:
 
 
 def half_tiles() -> bool:
-    """DGE_HALF_TILES: our SM90 M-grouped GEMMs take each expert's real end, so that an expert's last
-    128-row block with at most 64 real rows runs as a 64-row half tile (the padding half stored as
-    zeros without being computed). Default on; 0 runs whole tiles (aligned ends). Same bits either way."""
+    """DGE_HALF_TILES: our SM90 bf16 M-grouped GEMMs take each expert's real end, so that an expert's
+    last 128-row block with at most 64 real rows runs as a 64-row half tile (both consumer warpgroups on
+    its 64 rows, half of the columns each; the padding half stored as zeros without being computed).
+    Default on; 0 runs whole tiles (aligned ends). Same bits either way."""
     return _flag("DGE_HALF_TILES", default=True)
 
 

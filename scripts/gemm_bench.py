@@ -58,9 +58,8 @@ all with K compiled in (``static_k``: where fp8_static_k_stages gives no ring, t
 "bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
 experts own.
 
---half-tiles: per M-grouped GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192), as
-the layer runs it (bf16: the L1 forward gathering x, the combine epilogues; fp8: the provider's tile options),
-TFLOP/s with whole 128-row tiles (aligned ends) and with half tiles (each expert's real end: its last block
+--half-tiles: per bf16 M-grouped GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
+as the layer runs it (the L1 forward gathering x, the combine epilogues), TFLOP/s with whole 128-row tiles (aligned ends) and with half tiles (each expert's real end: its last block
 with at most 64 rows computes 64), the better of two alternating rounds each; "bits" says whether the two
 outputs are equal bit for bit (they must: the pool's padding rows are zero).
 
@@ -90,7 +89,6 @@ from deep_gemm_ext.jit_kernels import fp8_quant as fq  # noqa: E402
 from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg  # noqa: E402
 from deep_gemm_ext.providers import deepgemm  # noqa: E402
 from deep_gemm_ext.providers.base import Fp8Rows  # noqa: E402
-from deep_gemm_ext.providers import sm90 as sm90_provider  # noqa: E402
 from deep_gemm_ext.providers.sm90 import Sm90Provider  # noqa: E402
 from deep_gemm_ext.recipes import RECIPES  # noqa: E402
 from deep_gemm_ext.recipes import fp8 as fp8_recipe  # noqa: E402
@@ -495,9 +493,9 @@ def _cluster_table(args) -> int:
 
 
 def _half_tile_cases(w):
-    """(dtype, name, dense (M, N, K), fn(ends) -> output) per M-grouped GEMM of the layer as the layer runs it
-    (bf16: the L1 forward gathering x, the combine epilogues; fp8: providers.sm90's tile options), the
-    aligned and the real ends, the pool rows the experts own and the half blocks' share of the M blocks."""
+    """(dtype, name, dense (M, N, K), fn(ends) -> output) per bf16 M-grouped GEMM of the layer as the layer
+    runs it (the L1 forward gathering x, the combine epilogues), the aligned and the real ends, the pool rows
+    the experts own and the number of half blocks."""
     (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
     real = meta.starts + meta.counts
     tails = meta.counts % gg.GROUP_ALIGNMENT
@@ -510,18 +508,6 @@ def _half_tile_cases(w):
         ("bf16", "L2 fwd  nt combine", (used, H, I), lambda e: nt(act, l2, starts, e, scatter=combine)),
         ("bf16", "L2 dgrad nn", (used, I, H), lambda e: nn(dy, l2, starts, e)),
         ("bf16", "L1 dgrad nn combine", (used, H, 2 * I), lambda e: nn(dh, l1, starts, e, scatter=plain)),
-    ]
-    w1, w2 = fp8_recipe.Fp8ExpertWeights.from_bf16(l1), fp8_recipe.Fp8ExpertWeights.from_bf16(l2)
-    q = {name: fp8_recipe.quantize_rows(t) for name, t in (("x", x), ("act", act), ("dy", dy), ("dh", dh))}
-
-    def fp8(a, wq, scatter=None):
-        options = sm90_provider._fp8_gemm_options(wq[0].shape[1], wq[0].shape[2], scatter is not None)
-        return lambda e: fg.m_grouped_fp8_gemm_nt_contiguous(*q[a], *wq, starts, e, scatter=scatter, **options)
-    cases += [
-        ("fp8", "L1 fwd  nt", (used, 2 * I, H), fp8("x", w1.nk)),
-        ("fp8", "L2 fwd  nt combine", (used, H, I), fp8("act", w2.nk, combine)),
-        ("fp8", "L2 dgrad", (used, I, H), fp8("dy", w2.kn)),
-        ("fp8", "L1 dgrad combine", (used, H, 2 * I), fp8("dh", w1.kn, plain)),
     ]
     return cases, used, ends, real, halves
 
@@ -873,8 +859,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-tiles", action="store_true",
                         help="128 x 128 vs 128 x 192 fp8 tiles (clusters of 1 and 2) TFLOP/s per M-grouped GEMM")
     parser.add_argument("--half-tiles", action="store_true",
-                        help="whole 128-row tiles vs half tiles (real ends) TFLOP/s per M-grouped GEMM of the layer "
-                             "(bf16 and fp8, as the layer runs them), with bit identity")
+                        help="whole 128-row tiles vs half tiles (real ends) TFLOP/s per bf16 M-grouped GEMM of the "
+                             "layer, with bit identity")
     parser.add_argument("--ceiling", action="store_true",
                         help="dense bf16 and fp8 8192^3 GEMMs in a burst and under sustained load, with the SM "
                              "clock, power and power-capped share")

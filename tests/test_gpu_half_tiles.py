@@ -1,12 +1,13 @@
-"""Half tiles of the M-grouped GEMMs: ``ends`` as each expert's real end (``starts + counts``).
+"""Half tiles of the bf16 M-grouped GEMMs: ``ends`` as each expert's real end (``starts + counts``).
 
 The 128-row block holding an expert's last rows stays its own; where it holds at most 64 of them,
-the kernel computes its first 64 rows only and stores zeros in rows [64, 128) (the scheduler's
-GroupedTile::half). Against the same GEMM with aligned ends on the same inputs:
+a 256-wide tile computes its first 64 rows only, both consumer warpgroups on half of the columns
+each, and stores zeros in rows [64, 128) (the scheduler's GroupedTile::half). Against the same GEMM
+with aligned ends on the same inputs:
 
-- every owned row outside those halves has the same bits (the first consumer warpgroup runs the same
-  wgmmas on the same stages), including the padding rows below row 64 of a half block, which read
-  the pool's (here non-zero) padding rows;
+- every owned row outside those halves has the same bits (the same wgmmas over the same K order for
+  each output element), including the padding rows below row 64 of a half block, which read the
+  pool's (here non-zero) padding rows;
 - the rows [64, 128) of every half block are zero: on a pool whose padding rows are not zero they
   would not be if the block ran whole, so the test fails when no half tile runs;
 - rows no expert owns stay unwritten (NaN);
@@ -14,9 +15,9 @@ GroupedTile::half). Against the same GEMM with aligned ends on the same inputs:
   give the aligned run's bits everywhere.
 
 Tails of 1, 63, 64 (half), 65, 127, 0, 128 rows (whole), empty experts, and more experts than the
-scheduler stages in shared memory (600: the search in global memory). bf16 ("nt" with and without
-paired N, gather and scatter; "nn") and blockwise fp8 (both mainloops, 128- and 192-wide tiles, K
-compiled in or not).
+scheduler stages in shared memory (600: the search in global memory); "nt" with and without paired
+N, gathering and scattering, and "nn". The fp8 GEMMs take real ends too and compute whole blocks
+(same bits as aligned ends); the layer has the same bits with half tiles and without.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from deep_gemm_ext.recipes import fp8 as recipe
 from conftest import requires_hopper
 
 # Real rows per expert: every tail class of the last block, twice over, and empty experts.
-_COUNTS = [1, 63, 64, 65, 127, 128, 0, 129, 191, 192, 193, 256, 320, 2, 0, 448, 64 + 384, 100]
+_COUNTS = [1, 63, 64, 65, 127, 128, 0, 129, 191, 192, 193, 256, 320, 2, 0, 448, 64 + 384, 101]
 
 
 def _ranges(counts: list[int], extra_rows: int = 128):
@@ -132,7 +133,7 @@ def test_bf16_half_tiles_gather_and_scatter(case):
     top_k = 2
     starts, real, aligned, rows, halves = _ranges(_COUNTS)
     row_to_slot, num_slots = _slot_maps(_COUNTS, starts, g, top_k)
-    e, k, n = len(_COUNTS), 256, 384
+    e, k, n = len(_COUNTS), 256, 512  # 256-wide tiles, which have half tiles
     b = (torch.randn(e, n, k, generator=g) * k ** -0.5).cuda().to(torch.bfloat16)
     if case == "gather":
         x = torch.randn(num_slots // top_k, k, generator=g).cuda().to(torch.bfloat16)
@@ -157,44 +158,35 @@ def test_bf16_half_tiles_gather_and_scatter(case):
 
 
 @requires_hopper
-@pytest.mark.parametrize("mainloop,block_n,static_k", [("serial", 192, True), ("serial", 128, False),
-                                                       ("overlap", 128, False), ("serial", 192, False)])
-def test_fp8_half_tiles(mainloop, block_n, static_k):
-    g = torch.Generator().manual_seed(block_n + static_k)
-    starts, real, aligned, rows, halves = _ranges(_COUNTS)
+@pytest.mark.parametrize("mainloop,block_n,static_k,scatter", [("serial", 192, True, False), ("serial", 128, False, False),
+                                                               ("overlap", 128, False, False), ("serial", 192, True, True)])
+def test_fp8_takes_real_ends(mainloop, block_n, static_k, scatter):
+    # No half tiles in the fp8 kernels: real ends compute whole blocks, the aligned run's bits everywhere.
+    g = torch.Generator().manual_seed(block_n + static_k + scatter)
+    starts, real, aligned, rows, _ = _ranges(_COUNTS)
     e, k, n = len(_COUNTS), 512, 384
     a_q, sa = recipe.quantize_rows(torch.randn(rows, k, generator=g).cuda())
     b_q, sb = recipe.quantize_weight_blocks((torch.randn(e, n, k, generator=g) * k ** -0.5).cuda())
     kw = dict(mainloop=mainloop, block_n=block_n, static_k=static_k)
-    want = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, aligned, _nan(rows, n), **kw)
-    got = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, real, _nan(rows, n), **kw)
-    _check_halves(got, want, halves, f"fp8 {kw}")
-    emu = recipe.emulate_grouped_gemm_nt(a_q, sa, b_q, sb, starts, real)
-    for i, (s, t) in enumerate(zip(starts.tolist(), real.tolist())):
-        if t > s:
-            err = ((got[s:t].double() - emu[s:t].double()).norm() / emu[s:t].double().norm()).item()
-            assert err < 1e-2, f"fp8 {kw}: expert {i}: rel error {err:.2e} against the emulation"
+    if scatter:
+        row_to_slot, num_slots = _slot_maps(_COUNTS, starts, g, 2)
+        kw["scatter"] = gg.Scatter(row_to_slot, num_slots, torch.rand(num_slots, generator=g).cuda())
+    out_rows = num_slots if scatter else rows
+    want = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, aligned, _nan(out_rows, n), **kw)
+    got = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, real, _nan(out_rows, n), **kw)
+    assert torch.equal(_bits(got), _bits(want)), f"fp8 {kw}: differs from the aligned run"
+    if scatter:
+        assert not torch.isnan(got.float()).any(), "fp8 scatter: slots left unwritten"
+    else:
+        emu = recipe.emulate_grouped_gemm_nt(a_q, sa, b_q, sb, starts, real)
+        for i, (s, t) in enumerate(zip(starts.tolist(), real.tolist())):
+            if t > s:
+                err = ((got[s:t].double() - emu[s:t].double()).norm() / emu[s:t].double().norm()).item()
+                assert err < 1e-2, f"fp8 {kw}: expert {i}: rel error {err:.2e} against the emulation"
 
 
 @requires_hopper
-def test_fp8_half_tiles_scatter():
-    g = torch.Generator().manual_seed(11)
-    top_k = 2
-    starts, real, aligned, rows, _ = _ranges(_COUNTS)
-    row_to_slot, num_slots = _slot_maps(_COUNTS, starts, g, top_k)
-    e, k, n = len(_COUNTS), 384, 256
-    a_q, sa = recipe.quantize_rows(torch.randn(rows, k, generator=g).cuda())
-    b_q, sb = recipe.quantize_weight_blocks((torch.randn(e, n, k, generator=g) * k ** -0.5).cuda())
-    scatter = gg.Scatter(row_to_slot, num_slots, torch.rand(num_slots, generator=g).cuda())
-    kw = dict(block_n=192, static_k=True)
-    want = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, aligned, scatter=scatter, **kw)
-    got = m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, starts, real, scatter=scatter, **kw)
-    assert torch.equal(_bits(got), _bits(want)), "fp8 scatter: differs from the aligned run"
-
-
-@requires_hopper
-@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+@pytest.mark.parametrize("recipe,routing", [("bf16", "uniform"), ("bf16", "zipf"), ("fp8", "uniform")])
 def test_layer_has_the_same_bits_with_whole_tiles(recipe, routing, monkeypatch):
     # The layer's M-grouped GEMMs run half tiles by default (DGE_HALF_TILES): on pools whose padding
     # rows are zero, y and all four gradients have the bits of whole tiles.

@@ -40,11 +40,11 @@ def _fp8_gemm_options(n: int, k: int, scatter: bool) -> dict:
 
 
 def row_ends(meta: RoutingMeta) -> torch.Tensor:
-    """Each expert's real end ``starts + counts`` (int32 [E], once per routing: ``meta.extras``): the
+    """Each expert's real end ``starts + counts`` (int32 [E], once per routing: ``meta.extras``): the bf16
     M-grouped GEMMs take it for ``ends`` so that an expert's last block with at most 64 real rows runs as
     a half tile (the GEMMs' docstrings). Its padding rows come out zero either way, the pool's padding
-    rows being zero; the K-grouped GEMMs, whose K loop runs over whole blocks, keep the aligned ends.
-    ``meta.ends`` under DGE_HALF_TILES=0 (whole tiles)."""
+    rows being zero. The K-grouped GEMMs, whose K loop runs over whole blocks, and the fp8 GEMMs, which
+    have no half tiles, keep the aligned ends. ``meta.ends`` under DGE_HALF_TILES=0 (whole tiles)."""
     if not _env.half_tiles():
         return meta.ends
     ends = meta.extras.get("row_ends")
@@ -115,10 +115,10 @@ class Sm90Provider(GemmProvider):
         b_q, sb = w.nk if layout == "nt" else w.kn
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
-            return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, row_ends(meta), scatter=scatter,
+            return k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, scatter=scatter,
                                                     **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], True))
         out = a_q.new_empty(meta.num_pool_rows, b_q.shape[1], dtype=torch.bfloat16) if zero_unowned else None
-        out = k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, row_ends(meta), out,
+        out = k.m_grouped_fp8_gemm_nt_contiguous(a_q, sa, b_q, sb, meta.starts, meta.ends, out,
                                                  **_fp8_gemm_options(b_q.shape[1], b_q.shape[2], False))
         return _unowned_zeroed(out, meta) if zero_unowned else out
 

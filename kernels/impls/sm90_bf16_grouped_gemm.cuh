@@ -12,9 +12,9 @@
 // (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32 registers) and handing the
 // accumulators of its 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
 // TMA stores, slot scatter). Both consumers work on every 128 x BLOCK_N tile, 64 rows each, but for
-// the half tiles of M-grouped GEMMs (an expert's last block with at most 64 of its rows, where
-// `ends` marks the expert's real end: scheduler/sm90_grouped.cuh), whose padding half the second
-// consumer stores as zeros without running its mainloop. The
+// the half tiles of the bf16 M-grouped GEMMs with 256-wide tiles (an expert's last block with at most
+// 64 of its rows, where `ends` marks the expert's real end: scheduler/sm90_grouped.cuh), whose first
+// 64 rows both consumers compute, 128 columns each, and whose padding half they store as zeros. The
 // operand element type is the traits' (kElement): bf16 with MainloopBF16, or blockwise-scaled e4m3
 // with MainloopFP8 (mma/sm90_mainloop_fp8.cuh: e4m3 wgmma m64n128k32, the partial sum of each
 // 128-wide k-block promoted into the fp32 accumulators with its scales); the loaders, scheduler and
@@ -230,15 +230,14 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     } else {
         // Consumer warpgroups: the mainloop on the warpgroup's slice of a tile, then the epilogue.
         ptx::setmaxnreg_inc<kConsumerRegisters>();
-        // Half tiles (scheduler/sm90_grouped.cuh): M-grouped, one CTA per cluster (a cluster's two
-        // CTAs run the same k-blocks on shared empty barriers, whole tiles). Not in the fp8 kernels that
-        // unroll a whole tile per start stage past 6 k-blocks (below), where the second copy of the
-        // epilogue made ptxas spill (584 bytes at 10 k-blocks).
+        // Half tiles (scheduler/sm90_grouped.cuh): M-grouped bf16 GEMMs with 256-wide tiles, one CTA per
+        // cluster (a cluster's two CTAs run whole tiles on shared empty barriers). The mainloop says
+        // whether it has the half-width wgmmas (Mainloop::kHalfTiles: the bf16 one).
         constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
         constexpr bool kLongUnrolledFP8 =
             Traits::kElement == ElementType::E4M3 && kUnrolledTile && Traits::kNumKBlocks > 6;
-        constexpr bool kHalfTiles =
-            Traits::kType == GroupedGemmType::MGroupedContiguous && kClusterN == 1 && !kLongUnrolledFP8;
+        constexpr bool kHalfTiles = MMA::kHalfTiles && Traits::kType == GroupedGemmType::MGroupedContiguous &&
+                                    kClusterN == 1 && Traits::BLOCK_N == 256;
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
         if constexpr (Load::kOrderedM)  // the producer's order: both walk the same tiles
@@ -269,36 +268,44 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                     DropArgs<kLeadingArgs>::apply(f, extra_args...);
             };
             using Prefetch = PrefetchOf<Epilogue>;
-            auto store = [&](const float (&values)[MMA::kNumAccum]) {
-                if constexpr (Prefetch::kEnabled)
-                    with_epilogue_args([&](const auto&... rest) {
-                        epilogue(values, epi_tile(), epilogue.prefetch(epi_tile(), rest...), rest...);
-                    });
-                else
-                    with_epilogue_args([&](const auto&... rest) { epilogue(values, epi_tile(), rest...); });
-            };
             if constexpr (kHalfTiles) {
-                if (t.half && warpgroup == 1) {
-                    // Rows [64, 128) of a half tile are padding: this slice releases its stages as
-                    // they fill, so that the first warpgroup's wgmmas have the tensor cores to
-                    // themselves, and stores zeros (what the mainloop gives on the zero padding rows
-                    // of a pool), or nothing with an epilogue that stores no padding row. Zeros of
-                    // its own in its own copy of the epilogue, and no `during` (the next tile is
-                    // found after this one, by the caller's fallback): joining the mainloop's
-                    // accumulators with zeros before one epilogue made ptxas spill (40 bytes in the
-                    // 192-wide fp8 store kernels with K compiled in, 20-28 in the unweighted scatter
-                    // ones), as did a second inlined copy of the search or the prefetch before it.
-                    const uint32_t num_k_blocks = Traits::kShapeK != 0 ? Traits::kNumKBlocks : t.num_k_blocks;
-                    for (uint32_t kb = 0; kb < num_k_blocks; ++kb, st.advance()) {
-                        pipe.consumer_wait(st);
-                        pipe.consumer_release(st.stage, lane);
-                    }
-                    if constexpr (!SkipsPadding<Epilogue>::kValue) {
-                        float zeros[MMA::kNumAccum];
+                if (t.half) {
+                    // Rows [64, 128) of a half tile are padding: both warpgroups run the tile's first
+                    // 64 rows, warpgroup w on the columns of chunks [w, w + 1) x kNumChunks / 2
+                    // (m64n(BLOCK_N/2) wgmmas on B rows w x BLOCK_N / 2 on), so that two accumulator
+                    // chains still interleave in the tensor cores; each then stores zeros in rows
+                    // [64, 128) of its columns (what the whole tile gives on the zero padding rows of a
+                    // pool), or nothing with an epilogue that stores no padding row. Same wgmmas in
+                    // the same K order for every real row: the same bits as the whole tile.
+                    constexpr uint32_t kChunks = Columns::kNumChunks / 2;
+                    const uint32_t tile_row = t.m_block * BLOCK_M;
+                    auto half_tile = [&](uint32_t row_offset) {
+                        return EpilogueTile<Traits::BLOCK_N, Traits::kPairedN>{
+                            Columns(t.n_block, shape_n, warpgroup * kChunks), tile_row + row_offset, t.m_block,
+                            t.n_block, t.expert};
+                    };
+                    typename Prefetch::Type prefetched;
+                    if constexpr (Prefetch::kEnabled)
+                        with_epilogue_args([&](const auto&... rest) {
+                            prefetched = epilogue.prefetch(half_tile(0), rest...);
+                        });
+                    float acc[MMA::kNumAccum / 2];
 #pragma unroll
-                        for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
-                            zeros[i] = 0.0f;
-                        store(zeros);
+                    for (uint32_t i = 0; i < MMA::kNumAccum / 2; ++i)
+                        acc[i] = 0.0f;
+                    const uint32_t last_stage =
+                        MMA::mma_half(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane, during);
+                    MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
+                    if constexpr (Prefetch::kEnabled)
+                        with_epilogue_args([&](const auto&... rest) { epilogue(acc, half_tile(0), prefetched, rest...); });
+                    else
+                        with_epilogue_args([&](const auto&... rest) { epilogue(acc, half_tile(0), rest...); });
+                    if constexpr (!SkipsPadding<Epilogue>::kValue) {
+                        static_assert(!Prefetch::kEnabled, "an epilogue with a prefetch stores no padding rows");
+#pragma unroll
+                        for (uint32_t i = 0; i < MMA::kNumAccum / 2; ++i)
+                            acc[i] = 0.0f;
+                        with_epilogue_args([&](const auto&... rest) { epilogue(acc, half_tile(64), rest...); });
                     }
                     return;
                 }

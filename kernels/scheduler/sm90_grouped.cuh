@@ -9,11 +9,11 @@
 // blocks owned by no expert are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all
 // N blocks, so the CTAs resident at one time share A blocks and expert weights in L2.
 //
-// Half tiles (M-grouped, one CTA per cluster): an expert's last block with at most 64 of its rows
-// (ends[e] unaligned, ends[e] - 128 m <= 64) is marked GroupedTile::half: its rows [64, 128) are
-// padding, and the kernel computes only the first 64 (the second consumer warpgroup stores zeros for
-// its slice without running the mainloop). With 128 or 256 experts a third to a half of the
-// experts' last blocks are such blocks at the routings of the MoE models we run.
+// Half tiles (M-grouped, one CTA per cluster, where the kernel's consumers set `halves`): an expert's
+// last block with at most 64 of its rows (ends[e] unaligned, ends[e] - 128 m <= 64) is marked
+// GroupedTile::half: its rows [64, 128) are padding, and the kernel computes only the first 64 (both
+// consumer warpgroups, half of the columns each). With 128 or 256 experts about half of the experts'
+// last blocks are such blocks under uniform routing.
 //
 // K-grouped (weight gradients): tiles are (expert, M block, N block) of the [E, M, N] output; the
 // K loop runs over the expert's pool rows, 0 blocks for an empty expert.
