@@ -172,14 +172,6 @@ def fused_combine() -> bool:
     return _flag("DGE_FUSED_COMBINE", default=True)
 
 
-def half_tiles() -> bool:
-    """DGE_HALF_TILES: our SM90 bf16 M-grouped GEMMs take each expert's real end, so that an expert's
-    last 128-row block with at most 64 real rows runs as a 64-row half tile (both consumer warpgroups on
-    its 64 rows, half of the columns each; the padding half stored as zeros without being computed).
-    Default on; 0 runs whole tiles (aligned ends). Same bits either way."""
-    return _flag("DGE_HALF_TILES", default=True)
-
-
 def fp8_wgrad() -> str | None:
     """DGE_FP8_WGRAD: under recipe="fp8", the weight-gradient GEMMs take column-quantized fp8
     operands (``fp8``) or bf16 ones (``bf16``: unquantized operands, twice the bytes). None when

@@ -58,8 +58,7 @@ def _variant_env(backend: str) -> dict[str, str]:
             # Unset: the plan's default, gathering in the fp8 weight gradients' quantizers, pools elsewhere.
             "DGE_FUSED_GATHER_BACKWARD": "",
             "DGE_FP8_WGRAD": "fp8" if "fp8-wgrad" in backend else "",
-            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1",
-            "DGE_HALF_TILES": "0" if "whole-tiles" in backend else "1"}
+            "DGE_FUSED_COMBINE": "0" if "pool-combine" in backend else "1"}
 
 
 BASE = ("grouped_mm", "torch", "bf16")
@@ -130,10 +129,6 @@ def implementations(with_loop: bool, compiled: bool = True,
     # The L2 forward and L1 dgrad GEMMs writing the pool, then a gathering combine (DGE_FUSED_COMBINE=0),
     # instead of their combine epilogues writing top-k slot order.
     impls[("ours", "auto+pool-combine", "bf16")] = Impl(_ours())
-    # Whole 128-row tiles for every block of the M-grouped GEMMs (DGE_HALF_TILES=0), instead of 64-row
-    # half tiles for the experts' last blocks with at most 64 rows.
-    impls[("ours", "auto+whole-tiles", "bf16")] = Impl(_ours())
-    impls[("ours", "auto+whole-tiles", "fp8")] = Impl(_ours(recipe="fp8"))
     impls[("ours", "torch", "bf16")] = Impl(_ours("torch"))
     try:
         from deep_gemm_ext import plan

@@ -7,7 +7,6 @@
     python scripts/gemm_bench.py --cublas [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --upstream [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8-tiles [--workload W ...] [--reps 20] [--json out.json]
-    python scripts/gemm_bench.py --half-tiles [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --ceiling [--reps 10] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
@@ -57,11 +56,6 @@ clusters of 1 and 2) against the 128 x 192 tile (serial mainloop, the layer's on
 all with K compiled in (``static_k``: where fp8_static_k_stages gives no ring, the K-argument kernel);
 "bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
 experts own.
-
---half-tiles: per bf16 M-grouped GEMM of each workload (default Qwen3-30B-A3B T16384 and Qwen3-235B-A22B T8192),
-as the layer runs it (the L1 forward gathering x, the combine epilogues), TFLOP/s with whole 128-row tiles (aligned ends) and with half tiles (each expert's real end: its last block
-with at most 64 rows computes 64), the better of two alternating rounds each; "bits" says whether the two
-outputs are equal bit for bit (they must: the pool's padding rows are zero).
 
 --ceiling: what one dense 8192^3 GEMM reaches on this GPU in a burst and under sustained load, bf16
 (torch.matmul, cuBLAS) and fp8 (torch._scaled_mm, e4m3 with per-tensor scales): TFLOP/s with 1, 8, 64 and
@@ -492,54 +486,6 @@ def _cluster_table(args) -> int:
     return 0 if all(r["bit_identical"] for r in results) else 1
 
 
-def _half_tile_cases(w):
-    """(dtype, name, dense (M, N, K), fn(ends) -> output) per bf16 M-grouped GEMM of the layer as the layer
-    runs it (the L1 forward gathering x, the combine epilogues), the aligned and the real ends, the pool rows
-    the experts own and the number of half blocks."""
-    (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
-    real = meta.starts + meta.counts
-    tails = meta.counts % gg.GROUP_ALIGNMENT
-    halves = int(((tails > 0) & (tails <= gg.GROUP_ALIGNMENT // 2)).sum().item())
-    nt, nn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous
-    x_tokens = torch.randn(w.num_tokens, H, device="cuda").to(torch.bfloat16)
-    gather = gg.Gather(meta.row_to_slot, w.top_k)
-    cases = [
-        ("bf16", "L1 fwd  nt gather", (used, 2 * I, H), lambda e: nt(x_tokens, l1, starts, e, gather=gather)),
-        ("bf16", "L2 fwd  nt combine", (used, H, I), lambda e: nt(act, l2, starts, e, scatter=combine)),
-        ("bf16", "L2 dgrad nn", (used, I, H), lambda e: nn(dy, l2, starts, e)),
-        ("bf16", "L1 dgrad nn combine", (used, H, 2 * I), lambda e: nn(dh, l1, starts, e, scatter=plain)),
-    ]
-    return cases, used, ends, real, halves
-
-
-def _half_tile_table(args) -> int:
-    results = []
-    for workload in args.workload or _TWO_WORKLOADS:
-        w = WORKLOADS[workload]
-        cases, used, ends, real, halves = _half_tile_cases(w)
-        for dtype, name, (m, n, k), fn in cases:
-            row = {"workload": w.name, "dtype": dtype, "gemm": name, "m": m, "n": n, "k": k, "half_blocks": halves,
-                   "blocks": used // gg.GROUP_ALIGNMENT}
-            row.update(_variants_row({"whole": functools.partial(fn, ends), "half": functools.partial(fn, real)},
-                                     2.0 * m * n * k, used, args))
-            results.append(row)
-        torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print(f"TFLOP/s on {torch.cuda.get_device_name()} over the rows the experts own: whole 128-row tiles (aligned "
-          "ends) and half tiles (real ends: an expert's last block with <= 64 rows computes 64), the better of two "
-          "alternating rounds each; 'half' counts those blocks among the M blocks")
-    print(f"{'workload':<22} | {'dtype':<5} | {'gemm':<19} | {'M x N x K':>20} | {'half':>9} | {'whole':>6} | "
-          f"{'halves':>6} | h/w   | bits")
-    for r in results:
-        shape = f"{r['m']}x{r['n']}x{r['k']}"
-        print(f"{r['workload']:<22} | {r['dtype']:<5} | {r['gemm']:<19} | {shape:>20} | "
-              f"{r['half_blocks']:>4}/{r['blocks']:<4} | {r['whole']:6.1f} | {r['half']:6.1f} | "
-              f"{r['half'] / r['whole']:4.3f}x | {'same' if r['bit_identical'] else 'DIFFER'}")
-    return 0 if all(r["bit_identical"] for r in results) else 1
-
-
 def _cublas_cases(w):
     """(name, dense (M, N, K), fn() -> output, N of the GEMM's output) per bf16 GEMM of the layer."""
     (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
@@ -858,9 +804,6 @@ def main(argv: list[str] | None = None) -> int:
                              "GEMM of the layer, with each side's error against fp64")
     parser.add_argument("--fp8-tiles", action="store_true",
                         help="128 x 128 vs 128 x 192 fp8 tiles (clusters of 1 and 2) TFLOP/s per M-grouped GEMM")
-    parser.add_argument("--half-tiles", action="store_true",
-                        help="whole 128-row tiles vs half tiles (real ends) TFLOP/s per bf16 M-grouped GEMM of the "
-                             "layer, with bit identity")
     parser.add_argument("--ceiling", action="store_true",
                         help="dense bf16 and fp8 8192^3 GEMMs in a burst and under sustained load, with the SM "
                              "clock, power and power-capped share")
@@ -871,14 +814,12 @@ def main(argv: list[str] | None = None) -> int:
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
-    if (args.fp8 + args.wgrad + args.clusters + args.cublas + args.upstream + args.fp8_tiles + args.ceiling
-            + args.half_tiles > 1):
-        parser.error("--fp8, --wgrad, --clusters, --cublas, --upstream, --fp8-tiles, --half-tiles and --ceiling: one "
-                     "table at a time")
+    if args.fp8 + args.wgrad + args.clusters + args.cublas + args.upstream + args.fp8_tiles + args.ceiling > 1:
+        parser.error("--fp8, --wgrad, --clusters, --cublas, --upstream, --fp8-tiles and --ceiling: one table at a "
+                     "time")
     if args.ceiling:
         return _ceiling_table(args)
-    one_table = not (args.fp8 or args.wgrad or args.clusters or args.cublas or args.upstream or args.fp8_tiles
-                     or args.half_tiles)
+    one_table = not (args.fp8 or args.wgrad or args.clusters or args.cublas or args.upstream or args.fp8_tiles)
     if one_table and args.workload and len(args.workload) > 1:
         parser.error("--workload: one workload without --fp8, --wgrad, --clusters, --cublas, --upstream or "
                      "--fp8-tiles")
@@ -892,8 +833,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fp8_tiles_table(args)
     if args.clusters:
         return _cluster_table(args)
-    if args.half_tiles:
-        return _half_tile_table(args)
     if args.cublas:
         return _cublas_table(args)
     return _grouped_table(args)

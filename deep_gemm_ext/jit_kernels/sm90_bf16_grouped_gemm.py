@@ -13,14 +13,8 @@ the combine epilogue of the L2 forward (weighted) and the L1 dgrad, reduced by c
 
 Expert ``e`` owns pool rows ``[starts[e], ends[e])``; both are multiples of ``GROUP_ALIGNMENT`` (the
 routing of ``deep_gemm_ext.routing`` produces such pools) and padding rows of the pool are zero.
-The M-grouped GEMMs also take each expert's real end for ``ends`` (``starts + counts``): the 128-row
-block holding an expert's last rows is still its own, and where it holds at most 64 of them a 256-wide
-tile runs as a half tile (kernels/scheduler/sm90_grouped.cuh): both consumer warpgroups compute its
-first 64 rows, each on half of the columns, and its rows [64, 128), padding, are stored as zeros
-without being computed (or not at all by the slot scatter), which on a pool with zero padding rows
-are the rows the whole tile would store. M-grouped GEMMs leave output rows that no expert owns unwritten; the K-grouped GEMM (aligned
-``ends`` only: its K loop runs over whole blocks) writes zeros for experts without rows.
-``starts``/``ends`` stay on the device: nothing here synchronises.
+M-grouped GEMMs leave output rows that no expert owns unwritten; the K-grouped GEMM writes zeros
+for experts without rows. ``starts``/``ends`` stay on the device: nothing here synchronises.
 """
 from __future__ import annotations
 

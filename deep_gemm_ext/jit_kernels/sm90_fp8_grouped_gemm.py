@@ -128,9 +128,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     of expert e, accumulated in fp32 with the scales applied per 128-wide k-block (module docstring).
 
     a_q [P, K] float8_e4m3fn, sa [P, ceil(K/128)] float32, b_q [E, N, K] float8_e4m3fn,
-    sb [E, ceil(N/128), ceil(K/128)] float32, starts/ends [E] int32 on the device (starts multiples of
-    128; ends too, or each expert's real end, whose block is then computed whole: the fp8 kernels have
-    no half tiles); all contiguous. K must be a multiple of 16 (16-byte rows for TMA), N of 8.
+    sb [E, ceil(N/128), ceil(K/128)] float32, starts/ends [E] int32 on the device (multiples of 128,
+    as for the bf16 GEMMs); all contiguous. K must be a multiple of 16 (16-byte rows for TMA), N of 8.
     Output rows no expert owns are left unwritten. ``scatter``: out is [num_slots, N] in slot order
     and row r goes to out[row_to_slot[r]] (times the slot's weight when given), as in
     ``m_grouped_bf16_gemm_nt_contiguous``. ``mainloop``: the mainloop's schedule, "serial" or "overlap"

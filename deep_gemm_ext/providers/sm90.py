@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .. import _env, elementwise
+from .. import elementwise
 from ..routing import TOKEN_GROUP_ALIGNMENT, RoutingMeta
 from .base import Fp8Cols, Fp8Rows, GemmProvider, Gather, ScatterSlots, fp8_cols_rows
 
@@ -37,20 +37,6 @@ def _fp8_gemm_options(n: int, k: int, scatter: bool) -> dict:
     """The launcher's tile options for one fp8 M-grouped GEMM of the layer: N x K the weight's, ``scatter``
     whether it writes slots (the L2 forward, the L1 dgrad). The same for all of them today (_FP8_TILE)."""
     return dict(_FP8_TILE)
-
-
-def row_ends(meta: RoutingMeta) -> torch.Tensor:
-    """Each expert's real end ``starts + counts`` (int32 [E], once per routing: ``meta.extras``): the bf16
-    M-grouped GEMMs take it for ``ends`` so that an expert's last block with at most 64 real rows runs as
-    a half tile (the GEMMs' docstrings). Its padding rows come out zero either way, the pool's padding
-    rows being zero. The K-grouped GEMMs, whose K loop runs over whole blocks, and the fp8 GEMMs, which
-    have no half tiles, keep the aligned ends. ``meta.ends`` under DGE_HALF_TILES=0 (whole tiles)."""
-    if not _env.half_tiles():
-        return meta.ends
-    ends = meta.extras.get("row_ends")
-    if ends is None:
-        ends = meta.extras["row_ends"] = meta.starts + meta.counts
-    return ends
 
 
 def _gather(g: Gather | None, src):
@@ -88,14 +74,13 @@ class Sm90Provider(GemmProvider):
             gemm = functools.partial(k.m_grouped_bf16_gemm_nt_contiguous, gather=g)
         else:
             gemm = k.m_grouped_bf16_gemm_nn_contiguous
-        ends = row_ends(meta)
         if isinstance(epilogue, ScatterSlots):
             scatter = k.Scatter(meta.row_to_slot, meta.slot_to_row.shape[0], epilogue.weights)
-            return gemm(a, w, meta.starts, ends, scatter=scatter)
+            return gemm(a, w, meta.starts, meta.ends, scatter=scatter)
         if zero_unowned:
             out = a.new_empty(meta.num_pool_rows, w.shape[1] if layout == "nt" else w.shape[2])
-            return _unowned_zeroed(gemm(a, w, meta.starts, ends, out), meta)
-        return gemm(a, w, meta.starts, ends)
+            return _unowned_zeroed(gemm(a, w, meta.starts, meta.ends, out), meta)
+        return gemm(a, w, meta.starts, meta.ends)
 
     def _m_grouped_fp8(self, a, w, meta: RoutingMeta, layout, gather, epilogue, zero_unowned):
         k = _kernels

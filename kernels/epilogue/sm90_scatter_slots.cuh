@@ -15,8 +15,7 @@
 // by row: thread t moves the 16-byte column t % 8 of rows t / 8 + 16 i, so each warp writes four
 // whole 128-byte row segments per instruction; a thread reads its four rows of a chunk from shared
 // memory before it stores any of them, so the four loads are in flight together. Two staging buffers
-// per warpgroup alternate chunk by chunk, one named-barrier sync per chunk (and one per slice when
-// its chunk count is odd).
+// per warpgroup alternate chunk by chunk, one named-barrier sync per chunk.
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -34,11 +33,10 @@ struct EpilogueScatterSlots {
     static constexpr uint32_t kChunkBytes = sm90::WarpgroupChunkStore<>::kChunkBytes;
     static constexpr uint32_t kSmemBytes = kNumConsumerWarpgroups * kNumBuffers * kChunkBytes;
     static constexpr uint32_t kRowsPerThread = 4;  // 64 rows / (128 threads / 8 columns of 16 bytes)
-    // Padding rows are not stored: the padding half of a half tile needs no call (the core's SkipsPadding).
-    static constexpr bool kSkipsPadding = true;
     uint32_t buffers;
     uint32_t barrier_id;
     uint32_t thread;
+    uint32_t slot = 0;  // which of the two staging buffers the next chunk uses
 
     __device__ EpilogueScatterSlots(uint32_t smem, uint32_t warpgroup, uint32_t thread_)
         : buffers(smem + warpgroup * kNumBuffers * kChunkBytes), barrier_id(kEpilogueBarrierBase + warpgroup),
@@ -84,27 +82,21 @@ struct EpilogueScatterSlots {
                                                const uint32_t& num_slots, const uint32_t& shape_n) {
         const uint32_t col16 = thread % 8;
         const Rows rows = rows_of(pre, out, num_slots, shape_n);
-        constexpr uint32_t kNumChunks = kNumAccum / 32;
-        // Chunk c in buffer c % 2. With an odd chunk count (the 192-wide tile) the previous slice's
-        // last chunk was in buffer 0 too: every thread is done reading it before chunk 0 is staged.
-        // (Alternating across slices instead kept a buffer index live across the mainloop, which
-        // made ptxas spill in the fp8 kernels with K compiled in.)
-        if constexpr (kNumChunks % 2 == 1)
-            ptx::named_barrier_sync(barrier_id, 128);
 #pragma unroll
-        for (uint32_t chunk = 0; chunk < kNumChunks; ++chunk) {
+        for (uint32_t chunk = 0; chunk < kNumAccum / 32; ++chunk) {
             uint32_t packed[16];
 #pragma unroll
             for (uint32_t i = 0; i < 16; ++i)
                 packed[i] = pack_pair(acc, chunk * 16 + i, pre.acc_weight);
             // Two buffers: the barrier after staging chunk c also orders every thread's reads of
             // chunk c - 1, so chunk c + 1 may overwrite that buffer.
-            const uint32_t buf = buffers + (chunk % kNumBuffers) * kChunkBytes;
+            const uint32_t buf = buffers + slot * kChunkBytes;
             sm90::stage_chunk(buf, thread, packed);
             ptx::named_barrier_sync(barrier_id, 128);
             const uint32_t col = tile.cols.col(chunk) + 8 * col16;
             if (col < shape_n)
                 store_rows(buf, rows, col);
+            slot ^= 1;
         }
     }
 

@@ -11,10 +11,7 @@
 // gathered by cp.async); warpgroups 0 and 1 are consumers, running the Mainloop policy
 // (mma/sm90_mainloop.cuh: bf16 wgmma m64nBLOCK_Nk16 into fp32 registers) and handing the
 // accumulators of its 64-row slice with the tile's coordinates to the Epilogue policy (epilogue/:
-// TMA stores, slot scatter). Both consumers work on every 128 x BLOCK_N tile, 64 rows each, but for
-// the half tiles of the bf16 M-grouped GEMMs with 256-wide tiles (an expert's last block with at most
-// 64 of its rows, where `ends` marks the expert's real end: scheduler/sm90_grouped.cuh), whose first
-// 64 rows both consumers compute, 128 columns each, and whose padding half they store as zeros. The
+// TMA stores, slot scatter). Both consumers work on every 128 x BLOCK_N tile, 64 rows each. The
 // operand element type is the traits' (kElement): bf16 with MainloopBF16, or blockwise-scaled e4m3
 // with MainloopFP8 (mma/sm90_mainloop_fp8.cuh: e4m3 wgmma m64n128k32, the partial sum of each
 // 128-wide k-block promoted into the fp32 accumulators with its scales); the loaders, scheduler and
@@ -92,17 +89,6 @@ template <class E>
 struct PrefetchOf<E, std::void_t<typename E::Prefetch>> {
     using Type = typename E::Prefetch;
     static constexpr bool kEnabled = true;
-};
-
-// Whether an epilogue stores nothing for padding rows (E::kSkipsPadding, the slot scatter: padding rows
-// have no slot), so that the padding half of a half tile needs no epilogue call; false where undeclared.
-template <class E, class = void>
-struct SkipsPadding {
-    static constexpr bool kValue = false;
-};
-template <class E>
-struct SkipsPadding<E, std::void_t<decltype(E::kSkipsPadding)>> {
-    static constexpr bool kValue = E::kSkipsPadding;
 };
 
 // The producer's loader: the constructor takes the loader's leading kernel arguments, if any
@@ -230,20 +216,11 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
     } else {
         // Consumer warpgroups: the mainloop on the warpgroup's slice of a tile, then the epilogue.
         ptx::setmaxnreg_inc<kConsumerRegisters>();
-        // Half tiles (scheduler/sm90_grouped.cuh): M-grouped bf16 GEMMs with 256-wide tiles, one CTA per
-        // cluster (a cluster's two CTAs run whole tiles on shared empty barriers). The mainloop says
-        // whether it has the half-width wgmmas (Mainloop::kHalfTiles: the bf16 one).
-        constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
-        constexpr bool kLongUnrolledFP8 =
-            Traits::kElement == ElementType::E4M3 && kUnrolledTile && Traits::kNumKBlocks > 6;
-        constexpr bool kHalfTiles = MMA::kHalfTiles && Traits::kType == GroupedGemmType::MGroupedContiguous &&
-                                    kClusterN == 1 && Traits::BLOCK_N == 256;
         Scheduler scheduler(starts, ends, num_experts, shape_m, num_n_blocks, shape_k, unit_begin, unit_stride,
                             cta_rank);
         if constexpr (Load::kOrderedM)  // the producer's order: both walk the same tiles
             scheduler.m_order = Load::m_order(extra_args...);
         scheduler.expert_table = expert_table;
-        scheduler.halves = kHalfTiles;
         Epilogue epilogue(smem + Layout::kEpilogueOffset, warpgroup, thread_in_wg);
         // The mainloop reads its leading kernel arguments; the epilogue gets the rest.
         const typename MMA::Params mainloop_params(smem + Layout::kMainloopOffset, shape_m, shape_n, shape_k,
@@ -253,6 +230,12 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         // `during`: work the mainloop runs once while the tile's first k-block is in the tensor cores
         // (the next tile's scheduling; mainloop contract in mma/sm90_mainloop.cuh).
         auto consume = [&](const sched::GroupedTile& t, const auto& during) {
+            // Zeroed rather than scale-d = 0 on the first wgmma: one definition of the accumulators
+            // per tile keeps them in place across the loop, and empty K ranges store zeros.
+            float acc[MMA::kNumAccum];
+#pragma unroll
+            for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
+                acc[i] = 0.0f;
             auto epi_tile = [&]() {
                 const uint32_t tile_row = Traits::kType == GroupedGemmType::MGroupedContiguous
                                               ? t.m_block * BLOCK_M
@@ -268,57 +251,9 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                     DropArgs<kLeadingArgs>::apply(f, extra_args...);
             };
             using Prefetch = PrefetchOf<Epilogue>;
-            if constexpr (kHalfTiles) {
-                if (t.half) {
-                    // Rows [64, 128) of a half tile are padding: both warpgroups run the tile's first
-                    // 64 rows, warpgroup w on the columns of chunks [w, w + 1) x kNumChunks / 2
-                    // (m64n(BLOCK_N/2) wgmmas on B rows w x BLOCK_N / 2 on), so that two accumulator
-                    // chains still interleave in the tensor cores; each then stores zeros in rows
-                    // [64, 128) of its columns (what the whole tile gives on the zero padding rows of a
-                    // pool), or nothing with an epilogue that stores no padding row. Same wgmmas in
-                    // the same K order for every real row: the same bits as the whole tile.
-                    constexpr uint32_t kChunks = Columns::kNumChunks / 2;
-                    const uint32_t tile_row = t.m_block * BLOCK_M;
-                    auto half_tile = [&](uint32_t row_offset) {
-                        return EpilogueTile<Traits::BLOCK_N, Traits::kPairedN>{
-                            Columns(t.n_block, shape_n, warpgroup * kChunks), tile_row + row_offset, t.m_block,
-                            t.n_block, t.expert};
-                    };
-                    typename Prefetch::Type prefetched;
-                    if constexpr (Prefetch::kEnabled)
-                        with_epilogue_args([&](const auto&... rest) {
-                            prefetched = epilogue.prefetch(half_tile(0), rest...);
-                        });
-                    float acc[MMA::kNumAccum / 2];
-#pragma unroll
-                    for (uint32_t i = 0; i < MMA::kNumAccum / 2; ++i)
-                        acc[i] = 0.0f;
-                    const uint32_t last_stage =
-                        MMA::mma_half(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane, during);
-                    MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
-                    if constexpr (Prefetch::kEnabled)
-                        with_epilogue_args([&](const auto&... rest) { epilogue(acc, half_tile(0), prefetched, rest...); });
-                    else
-                        with_epilogue_args([&](const auto&... rest) { epilogue(acc, half_tile(0), rest...); });
-                    if constexpr (!SkipsPadding<Epilogue>::kValue) {
-                        static_assert(!Prefetch::kEnabled, "an epilogue with a prefetch stores no padding rows");
-#pragma unroll
-                        for (uint32_t i = 0; i < MMA::kNumAccum / 2; ++i)
-                            acc[i] = 0.0f;
-                        with_epilogue_args([&](const auto&... rest) { epilogue(acc, half_tile(64), rest...); });
-                    }
-                    return;
-                }
-            }
             typename Prefetch::Type prefetched;
             if constexpr (Prefetch::kEnabled)
                 with_epilogue_args([&](const auto&... rest) { prefetched = epilogue.prefetch(epi_tile(), rest...); });
-            // Zeroed rather than scale-d = 0 on the first wgmma: one definition of the accumulators
-            // per tile keeps them in place across the loop, and empty K ranges store zeros.
-            float acc[MMA::kNumAccum];
-#pragma unroll
-            for (uint32_t i = 0; i < MMA::kNumAccum; ++i)
-                acc[i] = 0.0f;
             const uint32_t last_stage = MMA::mma(acc, pipe, st, t, mainloop_params, stages, warpgroup, lane, during);
             MMA::finish(acc, pipe, last_stage, t.num_k_blocks, lane);
 
@@ -340,7 +275,9 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
         // the ring not dividing its k-blocks) past 6 k-blocks (7 to 15 of them spilled 272-1276
         // bytes with the store epilogue). The K-grouped fp8 GEMM takes it since its column scales
         // are staged in shared memory (they had been 32 more registers across the loop).
-        constexpr bool kLookahead = !(Traits::kElement == ElementType::E4M3 && (kClusterN > 1 || kLongUnrolledFP8));
+        constexpr bool kUnrolledTile = Traits::kShapeK != 0 && !Traits::kStaticRing;
+        constexpr bool kLookahead =
+            !(Traits::kElement == ElementType::E4M3 && (kClusterN > 1 || (kUnrolledTile && Traits::kNumKBlocks > 6)));
         if constexpr (kLookahead) {
             bool have = scheduler.next(tile);
             while (have) {

@@ -100,21 +100,16 @@ struct GemmTraits {
 // tiling, chunks [0, BLOCK_N/128) are columns [n0, n0 + BLOCK_N/2) of the first half of N and the
 // remaining chunks the same columns of the second half: columns j and N/2 + j (the gate and up
 // columns of the L1 output [g | u]) are in the same thread (accumulator i and i + kNumAccum/2).
-//
-// `chunk0` (half tiles, whose warpgroups hold half of the columns each): chunk c of the holder is chunk
-// chunk0 + c of the tile.
 template <uint32_t BLOCK_N, bool kPairedN>
 struct TileColumns {
     static constexpr uint32_t kNumChunks = BLOCK_N / 64;
     uint32_t n0;
     uint32_t half_n;
-    uint32_t chunk0;
 
-    __device__ TileColumns(uint32_t n_block, uint32_t shape_n, uint32_t chunk0_ = 0)
-        : n0(n_block * (kPairedN ? BLOCK_N / 2 : BLOCK_N)), half_n(shape_n / 2), chunk0(chunk0_) {}
+    __device__ TileColumns(uint32_t n_block, uint32_t shape_n)
+        : n0(n_block * (kPairedN ? BLOCK_N / 2 : BLOCK_N)), half_n(shape_n / 2) {}
 
     __device__ __forceinline__ uint32_t col(uint32_t chunk) const {
-        chunk += chunk0;
         if constexpr (kPairedN)
             return chunk < kNumChunks / 2 ? n0 + 64 * chunk : half_n + n0 + 64 * (chunk - kNumChunks / 2);
         else

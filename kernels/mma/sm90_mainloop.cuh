@@ -28,10 +28,7 @@
 //     for them (not at all when there are no k-blocks);
 //   template <class Pipe> static void finish(float (&acc)[kNumAccum],
 //       const Pipe&, uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane);
-//     waits for wgmmas still in flight and frees the stage mma left held, if any;
-//   static constexpr bool kHalfTiles;        whether it runs the half tiles of M-grouped GEMMs:
-//       mma_half(float (&acc)[kNumAccum / 2], ...) with mma's arguments (`slice` the warpgroup),
-//       the stage's first 64 A rows against half of the B rows, and finish() on those accumulators.
+//     waits for wgmmas still in flight and frees the stage mma left held, if any.
 // MainloopBF16 is below; MainloopFP8 (blockwise-scaled e4m3, per-128-K promotion) is in
 // mma/sm90_mainloop_fp8.cuh.
 
@@ -57,10 +54,7 @@ struct MainloopBF16 {
     static constexpr uint32_t kNumArgs = 0;
     static constexpr uint32_t kSmemBytes = 0;
     static constexpr uint32_t kProducerArrivals = 0;
-    // Half tiles (mma_half below).
-    static constexpr bool kHalfTiles = true;
     static_assert(Traits::kElement == ElementType::BF16, "MainloopBF16: bf16 operands");
-    using HalfMMA = mma::WgmmaBF16<Traits::BLOCK_N / 2, Traits::kMajorA, Traits::kMajorB>;
 
     struct Params {
         template <class... Args>
@@ -73,27 +67,6 @@ struct MainloopBF16 {
                                                    const sched::GroupedTile& tile, const Params&,
                                                    const Stages& stages, uint32_t slice, uint32_t lane,
                                                    const During& during) {
-        return loop<MMA>(acc, pipe, st, tile, stages, slice * 64, 0, lane, during);
-    }
-
-    // A half tile (the core's GroupedTile::half): the stage's first 64 A rows against the B rows
-    // [w, w + 1) x BLOCK_N / 2 of warpgroup w, m64n(BLOCK_N/2) wgmmas into kNumAccum / 2 accumulators.
-    template <class Pipe, class During>
-    __device__ __forceinline__ static uint32_t mma_half(float (&acc)[HalfMMA::kNumAccum], const Pipe& pipe,
-                                                        sm90::PipelineState<Traits::kNumStages>& st,
-                                                        const sched::GroupedTile& tile, const Params&,
-                                                        const Stages& stages, uint32_t warpgroup, uint32_t lane,
-                                                        const During& during) {
-        return loop<HalfMMA>(acc, pipe, st, tile, stages, 0, warpgroup * (Traits::BLOCK_N / 2), lane, during);
-    }
-
-    // The k-blocks of a tile with wgmma shape Wgmma on A rows [a_row, a_row + 64) and B rows from b_row.
-    template <class Wgmma, class Pipe, class During>
-    __device__ __forceinline__ static uint32_t loop(float (&acc)[Wgmma::kNumAccum], const Pipe& pipe,
-                                                    sm90::PipelineState<Traits::kNumStages>& st,
-                                                    const sched::GroupedTile& tile, const Stages& stages,
-                                                    uint32_t a_row, uint32_t b_row, uint32_t lane,
-                                                    const During& during) {
         const uint32_t num_k_blocks = tile.num_k_blocks;
         uint32_t prev_stage = 0;
         for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
@@ -103,10 +76,10 @@ struct MainloopBF16 {
             mma::fence_accumulators(acc);
             ptx::wgmma_fence();
 #pragma unroll
-            for (uint32_t k = 0; k < BLOCK_K / Wgmma::K; ++k) {
-                const uint64_t desc_a = mma::tile_desc<Traits::kMajorA>(stages.a(st.stage), a_row, k);
-                const uint64_t desc_b = mma::tile_desc<Traits::kMajorB>(stages.b(st.stage), b_row, k);
-                Wgmma::mma(acc, desc_a, desc_b, 1u);
+            for (uint32_t k = 0; k < BLOCK_K / MMA::K; ++k) {
+                const uint64_t desc_a = mma::tile_desc<Traits::kMajorA>(stages.a(st.stage), slice * 64, k);
+                const uint64_t desc_b = mma::tile_desc<Traits::kMajorB>(stages.b(st.stage), 0, k);
+                MMA::mma(acc, desc_a, desc_b, 1u);
             }
             ptx::wgmma_commit_group();
             mma::fence_accumulators(acc);
@@ -122,8 +95,8 @@ struct MainloopBF16 {
         return prev_stage;
     }
 
-    template <class Pipe, uint32_t kAccum>
-    __device__ __forceinline__ static void finish(float (&acc)[kAccum], const Pipe& pipe,
+    template <class Pipe>
+    __device__ __forceinline__ static void finish(float (&acc)[kNumAccum], const Pipe& pipe,
                                                   uint32_t last_stage, uint32_t num_k_blocks, uint32_t lane) {
         ptx::wgmma_wait_group<0>();
         mma::fence_accumulators(acc);

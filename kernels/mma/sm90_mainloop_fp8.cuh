@@ -99,8 +99,6 @@ struct MainloopFP8 {
     static constexpr uint32_t kNumBlocksB = kTwoBlocksB ? 2 : 1;
     static constexpr uint32_t kSmemBytes = Traits::kNumStages * kStageScaleBytes;
     static constexpr uint32_t kProducerArrivals = 32;
-    // No half tiles: 96 columns of the 128 x 192 tile per warpgroup are not whole 64-column chunks.
-    static constexpr bool kHalfTiles = false;
     // The overlap schedule reads the K-grouped scales late (file comment).
     static constexpr bool kLateScales = kKGrouped;
 

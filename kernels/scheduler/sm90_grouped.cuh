@@ -2,18 +2,11 @@
 // Persistent tile scheduler over the block-aligned expert pool.
 //
 // M-grouped (forward, dgrad): the pool's 128-row blocks are the M tiles; expert e owns the pool
-// rows [starts[e], ends[e]) (starts a multiple of BLOCK_M; ends too, or the expert's last real row
-// + 1, the rest of its last block being padding), so each block maps to one expert, found by a
+// rows [starts[e], ends[e]) (multiples of BLOCK_M), so each block maps to one expert, found by a
 // binary search over the ranges (owning_expert_staged on the kernel's shared-memory copy of them, or
-// owning_expert on `ends` in global memory); blocks past the block of ends[E-1] are not scheduled and
-// blocks owned by no expert are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all
-// N blocks, so the CTAs resident at one time share A blocks and expert weights in L2.
-//
-// Half tiles (M-grouped, one CTA per cluster, where the kernel's consumers set `halves`): an expert's
-// last block with at most 64 of its rows (ends[e] unaligned, ends[e] - 128 m <= 64) is marked
-// GroupedTile::half: its rows [64, 128) are padding, and the kernel computes only the first 64 (both
-// consumer warpgroups, half of the columns each). With 128 or 256 experts about half of the experts'
-// last blocks are such blocks under uniform routing.
+// owning_expert on `ends` in global memory); blocks past ends[E-1] are not scheduled and blocks
+// owned by no expert are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all N blocks, so the
+// CTAs resident at one time share A blocks and expert weights in L2.
 //
 // K-grouped (weight gradients): tiles are (expert, M block, N block) of the [E, M, N] output; the
 // K loop runs over the expert's pool rows, 0 blocks for an empty expert.
@@ -47,7 +40,6 @@ struct GroupedTile {
     uint32_t k_row;         // K-grouped: first pool row of the expert; 0 otherwise
     bool multicast;         // clusters: the pair shares B (each CTA loads half of it into both)
     bool store;             // false: a duplicate of the partner's tile, run for the barriers only
-    bool half;              // M-grouped: rows [64, 128) of the block are padding (file comment)
 };
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
@@ -69,25 +61,14 @@ __device__ __forceinline__ uint32_t owning_expert(const int* starts, const int* 
 }
 
 // The experts' block ranges staged in shared memory for owning_expert_staged (M-grouped GEMMs, at most
-// kStagedExperts experts): entry e is (ceil(starts[e] / BLOCK_M) << 16) | kHalfBit if e's last block is a
-// half block | ceil(ends[e] / BLOCK_M), the high half below 2^16 and the low field below 2^15, so that
-// for a block m, ends[e] > m * BLOCK_M exactly when the low field is > m and starts[e] <= m * BLOCK_M
-// exactly when the high half is <= m (x <= m and ceil(x) <= m agree for an integer m, as x > m and
-// ceil(x) > m do): the same expert as owning_expert's, aligned ranges or not. Why: every tile of every
-// warp that walks the tiles starts with this search, 8 dependent loads for 128 experts; from shared
-// memory they are short and do not depend on what L1 still holds.
+// kStagedExperts experts): entry e is (ceil(starts[e] / BLOCK_M) << 16) | ceil(ends[e] / BLOCK_M), both
+// below 2^16, so that for a block m, ends[e] > m * BLOCK_M exactly when the low half is > m and
+// starts[e] <= m * BLOCK_M exactly when the high half is <= m (x <= m and ceil(x) <= m agree for an
+// integer m, as x > m and ceil(x) > m do): the same expert as owning_expert's, aligned ranges or not.
+// Why: every tile of every warp that walks the tiles starts with this search, 8 dependent loads for 128
+// experts; from shared memory they are short and do not depend on what L1 still holds.
 constexpr uint32_t kStagedExperts = 256;
 constexpr uint32_t kStagedExpertBytes = kStagedExperts * 4;
-constexpr uint32_t kHalfBit = 1u << 15;
-constexpr uint32_t kEndMask = kHalfBit - 1;
-
-// Whether the block of `ends_row - 1` holds at most 64 rows before ends_row (a half block when it is
-// the expert's last one).
-template <uint32_t BLOCK_M>
-__device__ __forceinline__ bool half_block_end(uint32_t ends_row) {
-    const uint32_t tail = ends_row % BLOCK_M;
-    return tail != 0 && tail <= BLOCK_M / 2;
-}
 
 template <uint32_t BLOCK_M>
 __device__ __forceinline__ bool stage_expert_blocks(uint32_t table, const int* starts, const int* ends,
@@ -95,15 +76,13 @@ __device__ __forceinline__ bool stage_expert_blocks(uint32_t table, const int* s
     bool ok = true;
     for (uint32_t e = thread; e < num_experts; e += num_threads) {
         const int s = __ldg(starts + e), t = __ldg(ends + e);
-        constexpr int kMaxStart = 65535 * static_cast<int>(BLOCK_M);
-        constexpr int kMaxEnd = static_cast<int>(kEndMask) * static_cast<int>(BLOCK_M);
-        if (s < 0 || t < 0 || s > kMaxStart || t > kMaxEnd) {
+        constexpr int kMaxRow = 65535 * static_cast<int>(BLOCK_M);
+        if (s < 0 || t < 0 || s > kMaxRow || t > kMaxRow) {
             ok = false;
             continue;
         }
-        const uint32_t end = static_cast<uint32_t>(t);
-        const uint32_t entry = (ceil_div(static_cast<uint32_t>(s), BLOCK_M) << 16) |
-                               (half_block_end<BLOCK_M>(end) ? kHalfBit : 0u) | ceil_div(end, BLOCK_M);
+        const uint32_t entry =
+            (ceil_div(static_cast<uint32_t>(s), BLOCK_M) << 16) | ceil_div(static_cast<uint32_t>(t), BLOCK_M);
         ptx::st_shared_u32(table + 4 * e, entry);
     }
     return ok;
@@ -114,7 +93,7 @@ __device__ __forceinline__ uint32_t owning_expert_staged(uint32_t table, uint32_
     uint32_t lo = 0, hi = num_experts;
     while (lo < hi) {
         const uint32_t mid = (lo + hi) / 2;
-        if ((entry(mid) & kEndMask) > m_block)
+        if ((entry(mid) & 0xffffu) > m_block)
             hi = mid;
         else
             lo = mid + 1;
@@ -151,9 +130,6 @@ struct GroupedScheduler {
     // M-grouped: the smem address of the staged expert ranges (stage_expert_blocks), 0 when they are
     // not staged; set by the kernel after construction.
     uint32_t expert_table = 0;
-    // Whether next() marks half tiles (GroupedTile::half); set by the consumers, which act on them
-    // (the producers load whole tiles either way).
-    bool halves = false;
 
     __device__ GroupedScheduler(const int* starts_, const int* ends_, uint32_t num_experts_, uint32_t shape_m,
                                 uint32_t num_n_blocks_, uint32_t shape_k, uint32_t unit_begin,
@@ -177,23 +153,12 @@ struct GroupedScheduler {
                                  : owning_expert(starts, ends, num_experts, m_block * BLOCK_M);
     }
 
-    // Whether block m_block of `expert` (its owner) is its last block with at most 64 of its rows.
-    __device__ __forceinline__ bool is_half(uint32_t expert, uint32_t m_block) const {
-        if (expert_table != 0) {
-            const uint32_t entry = ptx::ld_shared_u32(expert_table + 4 * expert);
-            return (entry & kHalfBit) != 0 && (entry & kEndMask) == m_block + 1;
-        }
-        const uint32_t end = static_cast<uint32_t>(__ldg(ends + expert));
-        return end - m_block * BLOCK_M <= BLOCK_M / 2;
-    }
-
     __device__ __forceinline__ bool next(GroupedTile& tile) {
         while (next_unit < num_tiles) {
             const uint32_t unit = next_unit;
             next_unit += stride;
             tile.multicast = false;
             tile.store = true;
-            tile.half = false;
             if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
                 const uint32_t group_units = kGroupUnits * num_n_blocks;
                 const uint32_t group = unit / group_units, in_group = unit % group_units;
@@ -209,7 +174,6 @@ struct GroupedScheduler {
                     tile.expert = expert_of(tile.m_block);
                     if (tile.expert >= num_experts)
                         continue;
-                    tile.half = halves && is_half(tile.expert, tile.m_block);
                 } else {
                     const uint32_t m0 = m_unit * 2, m1 = m0 + 1;
                     const uint32_t e0 = expert_of(m0);
