@@ -37,8 +37,11 @@ _BLOCK_K = 64
 #: Bytes of one operand row in a stage (the 128-byte swizzle span): TMA boxes are 64 rows of it.
 STAGE_ROW_BYTES = 128
 _THREADS = 384
-# M blocks per scheduler group (tiles of GROUP_M pool blocks sweep all N blocks for L2 reuse).
-_GROUP_M = 16
+#: M blocks per scheduler group of the M-grouped GEMMs (GemmConfig.group_m): the persistent grid walks
+#: the tiles of group_m pool blocks across all N blocks before the next group, so the CTAs resident at
+#: one time share A blocks and expert weights in L2 (kernels/scheduler/sm90_grouped.cuh).
+GROUP_M_DEFAULT = 16
+GROUP_M_CHOICES = (1, 2, 4, 8, 16, 32)
 assert GROUP_ALIGNMENT % _BLOCK_M == 0
 
 _TYPES = {"nt": ("MGroupedContiguous", "K", "K"), "nn": ("MGroupedContiguous", "K", "MN"),
@@ -204,6 +207,9 @@ class GemmConfig:
     # tile with at most FP8_STATIC_K_UNROLLED_BLOCKS k-blocks that no depth divides, 4 deep with the tile
     # unrolled once per start stage (GemmTraits::kRingStep). fp8_static_k_stages() says which K can be.
     shape_k: int = 0
+    # M blocks per scheduler group (GROUP_M_CHOICES; M-grouped layouts only, K-grouped tiles are walked
+    # expert by expert).
+    group_m: int = GROUP_M_DEFAULT
 
     def __post_init__(self):
         widths = FP8_BLOCK_NS if (self.dtype == "fp8" and self.layout == "nt") else _WIDTHS
@@ -254,6 +260,11 @@ class GemmConfig:
         if self.gather_a and self.layout != "nt":
             raise ValueError(f"GemmConfig: gather_a={self.gather_a!r} with layout={self.layout!r}, expected layout='nt' "
                              f"(the L1 forward's A; the backward's GEMMs read pools)")
+        if isinstance(self.group_m, bool) or self.group_m not in GROUP_M_CHOICES:
+            raise ValueError(f"GemmConfig: group_m={self.group_m!r}, expected one of {GROUP_M_CHOICES}")
+        if self.group_m != GROUP_M_DEFAULT and _TYPES[self.layout][0] != "MGroupedContiguous":
+            raise ValueError(f"GemmConfig: group_m={self.group_m} with layout={self.layout!r}, expected "
+                             f"{GROUP_M_DEFAULT} (K-grouped tiles are walked expert by expert)")
         if isinstance(self.shape_k, bool) or not isinstance(self.shape_k, int) or self.shape_k < 0:
             raise ValueError(f"GemmConfig: shape_k={self.shape_k!r}, expected a non-negative int (0: K at run time)")
         if self.shape_k:
@@ -294,6 +305,8 @@ class GemmConfig:
             name += "_await"
         if self.shape_k:
             name += f"_k{self.shape_k}"
+        if self.group_m != GROUP_M_DEFAULT:
+            name += f"_g{self.group_m}"
         return name
 
     @property
@@ -331,7 +344,7 @@ class GemmConfig:
                 "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
                 f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
                 f"dge::mma::Major::{major_a}, dge::mma::Major::{major_b},\n"
-                f"    {self.block_n}, {self.stages}, {self.cluster_n}, {'true' if self.paired_n else 'false'}, {_GROUP_M}"
+                f"    {self.block_n}, {self.stages}, {self.cluster_n}, {'true' if self.paired_n else 'false'}, {self.group_m}"
                 f"{extra}>;\n"
                 f"using Epilogue = {epilogue_cpp};\n"
                 "DGE_EXPORT_SMEM_BYTES((dge::gemm::SmemLayout<Traits::BLOCK_N, Traits::kNumStages, Epilogue"
@@ -381,6 +394,18 @@ def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False) -> None:
         if value != plain:
             raise ValueError(f"cluster_n={cluster_n} with {label}={value!r}: clusters take the plain TMA loader "
                              f"and unpaired tiles (expected {label}={plain!r})")
+
+
+def _check_group_m(group_m) -> None:
+    """``group_m=`` of an M-grouped launcher: None (select_group_m) or one of GROUP_M_CHOICES."""
+    if group_m is not None and (isinstance(group_m, bool) or group_m not in GROUP_M_CHOICES):
+        raise ValueError(f"group_m={group_m!r}: expected None or one of {GROUP_M_CHOICES}")
+
+
+def select_group_m(rows: int, num_experts: int) -> int:
+    """M blocks per scheduler group for a pool of ``rows`` rows over ``num_experts`` experts (both known
+    on the host, no synchronisation)."""
+    return GROUP_M_DEFAULT
 
 
 def select_tile(n: int, *, divides: bool = False) -> Tile:
@@ -777,10 +802,10 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, cluster_n: int = 1) -> torch.Tensor:
-    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n)
+               scatter: Scatter | None = None, cluster_n: int = 1, group_m: int | None = None) -> torch.Tensor:
+    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m)
     num_experts, k, rows, n, block_n, config = checked(key, lambda: _m_grouped_checks(
-        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n))
+        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m))
     if out is None:
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
     if config is None:  # nothing to compute
@@ -796,10 +821,11 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     return out
 
 
-def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n):
+def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m=None):
     """Every check of :func:`_m_grouped` that its key settles; ``(E, K, rows, N, block_n, config)``,
     config None when there is nothing to compute."""
     _check_gather(gather)
+    _check_group_m(group_m)
     _check_cluster(cluster_n, gather=gather, paired_n=paired_n)
     if scatter is not None and paired_n:
         raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
@@ -826,16 +852,18 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
+    if group_m is None:
+        group_m = select_group_m(rows, num_experts)
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, cluster_n=cluster_n,
-                           await_rows=_await_of(gather) is not None)
+                           await_rows=_await_of(gather) is not None, group_m=group_m)
     return num_experts, k, rows, n, block_n, config
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      cluster_n: int = 1) -> torch.Tensor:
+                                      cluster_n: int = 1, group_m: int | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -845,21 +873,22 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     (bit-identical to gathering the pool first). ``scatter``: out is [num_slots, N] in slot order and
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter has weights); see
     Scatter. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks
-    by multicast, without gather or paired_n), same bits under each.
+    by multicast, without gather or paired_n), same bits under each. ``group_m``: M blocks per
+    scheduler group (GROUP_M_CHOICES; None: select_group_m), same bits under each.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, scatter: Scatter | None = None,
-                                      cluster_n: int = 1) -> torch.Tensor:
+                                      cluster_n: int = 1, group_m: int | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for
-    combine_slots). ``cluster_n``: as for m_grouped_bf16_gemm_nt_contiguous.
+    combine_slots). ``cluster_n``, ``group_m``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n)
+    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, group_m)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,

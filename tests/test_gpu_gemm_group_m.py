@@ -1,0 +1,154 @@
+"""The scheduler's group of M blocks in the M-grouped GEMMs (GemmConfig.group_m): the persistent grid walks
+the tiles of group_m pool blocks across all N blocks before the next group. Only the order of the tiles
+changes, so every output must equal the default group's bit for bit (each tile is the same wgmmas on the
+same operands in the same K order), and the default output is checked against an fp64 reference (bf16)
+or the fp8 emulation, so that two equally broken walks cannot pass.
+
+The cases aim at the walk's tails (kernels/scheduler/sm90_grouped.cuh): a last group with fewer blocks
+than group_m, groups that straddle experts, blocks no expert owns, empty experts, one block in all,
+groups of one block, and clusters of 2 (groups rounded up to pairs). Outputs are NaN-poisoned: rows no
+expert owns must stay NaN, every other element must be written.
+
+CPU: the knob's checks, names and sources, and the selection's values.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg
+from deep_gemm_ext.recipes import fp8 as recipe
+
+from conftest import requires_hopper
+from gpu_utils import (assert_close_where_owned, assert_same_bits, case_seed, gather_case, m_grouped_case,
+                       m_grouped_reference, nan_bf16, ragged_pool, routed_pool, scatter_case)
+
+# -- CPU ----------------------------------------------------------------------------------------------------
+
+
+def test_group_m_names_and_sources():
+    base = gg.GemmConfig("nt", 256)
+    assert base.group_m == gg.GROUP_M_DEFAULT
+    assert base.name == "sm90_bf16_grouped_gemm_nt_n256_s4"  # the default keeps the names of the cache
+    for g in gg.GROUP_M_CHOICES:
+        c = dataclasses.replace(base, group_m=g)
+        assert c.name == base.name + ("" if g == gg.GROUP_M_DEFAULT else f"_g{g}")
+        assert c.code() == base.code().replace("256, 4, 1, false, 16>", f"256, 4, 1, false, {g}>")
+    f = gg.GemmConfig("nt", 192, dtype="fp8", group_m=4, cluster_n=2)
+    assert f.name.endswith("_c2_g4") and "192, 4, 2, false, 4, dge::gemm::ElementType::E4M3>" in f.code()
+
+
+@pytest.mark.parametrize("g", [0, 3, 64, True, "8", None])
+def test_group_m_config_rejects(g):
+    with pytest.raises(ValueError, match="group_m"):
+        gg.GemmConfig("nt", 256, group_m=g)
+
+
+def test_group_m_is_m_grouped_only():
+    with pytest.raises(ValueError, match="group_m=8 with layout='tn'"):
+        gg.GemmConfig("tn", 256, group_m=8)
+    with pytest.raises(ValueError, match="group_m=8 with layout='k_nt'"):
+        gg.GemmConfig("k_nt", 128, dtype="fp8", group_m=8)
+
+
+def test_group_m_launcher_checks_come_first():
+    a, b = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(1, 256, 64, dtype=torch.bfloat16)
+    s, e = torch.zeros(1, dtype=torch.int32), torch.full((1,), 128, dtype=torch.int32)
+    for fn in (gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous):
+        with pytest.raises(ValueError, match=r"group_m=3: expected None or one of \(1, 2, 4, 8, 16, 32\)"):
+            fn(a, b, s, e, group_m=3)
+    q = torch.zeros(128, 128).to(fg.FP8_DTYPE)
+    with pytest.raises(ValueError, match="group_m=True"):
+        fg.m_grouped_fp8_gemm_nt_contiguous(q, torch.ones(128, 1), q[None], torch.ones(1, 1, 1), s, e, group_m=True)
+
+
+def test_select_group_m():
+    for rows, experts in ((0, 0), (128, 1), (65536 + 256 * 128, 256), (16384 * 8, 128), (4096 * 8 + 128 * 128, 128)):
+        assert gg.select_group_m(rows, experts) in gg.GROUP_M_CHOICES
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------
+
+# Pools: the hand-made ragged one (11 used blocks, an empty expert, a block past ends[-1]), uniform over
+# 16 experts (blocks of several experts per group), zipf (one expert of many blocks), empty experts, one
+# block in all.
+_POOLS = [("hand", 0), ("uniform", 1500), ("zipf", 900), ("empty_experts", 500), ("uniform", 1)]
+_GROUPS = [g for g in gg.GROUP_M_CHOICES if g != gg.GROUP_M_DEFAULT]
+
+
+def _pool(kind: str, tokens: int, seed: int):
+    if kind == "hand":
+        return ragged_pool()
+    return routed_pool(tokens, 16, 4, kind, seed)
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind,tokens", _POOLS)
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_bf16_group_m_same_bits(kind, tokens, layout, cluster_n):
+    n = 768  # three 256-wide N blocks: groups of tiles that end mid-row of a wave
+    c = m_grouped_case(kind, tokens, n, 320, layout, _pool)
+    base = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=cluster_n, group_m=gg.GROUP_M_DEFAULT)
+    assert_close_where_owned(base, m_grouped_reference(c.a, c.w_of, c.starts, c.ends, n), c.what)
+    for g in _GROUPS:
+        got = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=cluster_n, group_m=g)
+        assert_same_bits(base, got, f"{c.what} cluster_n={cluster_n}", f"group_m={g} differs from the default")
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind,tokens", [("uniform", 1500), ("zipf", 900), ("empty_experts", 500)])
+@pytest.mark.parametrize("layout,weighted", [("nt", True), ("nn", False)])
+def test_bf16_group_m_scatter_same_bits(kind, tokens, layout, weighted):
+    seed = case_seed("group_m scatter", kind, tokens, layout)
+    n = 384
+    c = scatter_case(kind, tokens, n, 256, layout, weighted, seed)
+    meta = c.meta
+    what = f"{layout} scatter weighted={weighted} {kind} T={tokens} seed={seed}"
+    base = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter)
+    assert_close_where_owned(base, c.reference(), what)
+    for g in _GROUPS:
+        got = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter, group_m=g)
+        assert_same_bits(base, got, what, f"group_m={g} differs from the default")
+
+
+@requires_hopper
+def test_bf16_group_m_gather_same_bits():
+    seed = case_seed("group_m gather")
+    c = gather_case(seed, 512, 256, tokens=1100)
+    meta = c.meta
+    gather = gg.Gather(meta.row_to_slot, c.top_k)
+    base = gg.m_grouped_bf16_gemm_nt_contiguous(c.x, c.b, meta.starts, meta.ends, nan_bf16(c.rows, 512),
+                                                gather=gather)
+    ref = m_grouped_reference(c.pool, lambda e: c.b[e].T, meta.starts, meta.ends, 512)
+    assert_close_where_owned(base, ref, f"gather seed={seed}")
+    for g in _GROUPS:
+        got = gg.m_grouped_bf16_gemm_nt_contiguous(c.x, c.b, meta.starts, meta.ends, nan_bf16(c.rows, 512),
+                                                   gather=gather, group_m=g)
+        assert_same_bits(base, got, f"gather seed={seed}", f"group_m={g} differs from the default")
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind,tokens", [("hand", 0), ("uniform", 1500), ("zipf", 900)])
+@pytest.mark.parametrize("block_n", fg.FP8_BLOCK_NS)
+def test_fp8_group_m_same_bits(kind, tokens, block_n):
+    seed = case_seed("group_m fp8", kind, tokens, block_n)
+    starts, ends, rows = _pool(kind, tokens, seed)
+    n, k = 576, 512
+    g = torch.Generator().manual_seed(seed)
+    a_q, sa = recipe.quantize_rows(torch.randn(rows, k, generator=g).cuda())
+    b_q, sb = recipe.quantize_weight_blocks(torch.randn(starts.shape[0], n, k, generator=g).cuda())
+    run = fg.m_grouped_fp8_gemm_nt_contiguous
+    what = f"fp8 n{block_n} {kind} T={tokens} seed={seed}"
+    base = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n)
+    emu = recipe.emulate_grouped_gemm_nt(a_q, sa, b_q, sb, starts, ends)
+    ref = torch.full((rows, n), float("nan"), dtype=torch.float64, device="cuda")
+    for s, t in zip(starts.tolist(), ends.tolist()):
+        ref[s:t] = emu[s:t].double()
+    assert_close_where_owned(base, ref, what, tol=2e-2)
+    for gm in _GROUPS:
+        got = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n, group_m=gm)
+        assert_same_bits(base, got, what, f"group_m={gm} differs from the default")
