@@ -1,15 +1,17 @@
-"""The scheduler's group of M blocks in the M-grouped GEMMs (GemmConfig.group_m): the persistent grid walks
-the tiles of group_m pool blocks across all N blocks before the next group. Only the order of the tiles
-changes, so every output must equal the default group's bit for bit (each tile is the same wgmmas on the
-same operands in the same K order), and the default output is checked against an fp64 reference (bf16)
-or the fp8 emulation, so that two equally broken walks cannot pass.
+"""The scheduler's walk of the M-grouped GEMMs: groups of M blocks (GemmConfig.group_m) that the persistent
+grid sweeps across all N blocks before the next group, fixed-size or cut within each expert
+(GemmConfig.expert_groups). Only the order of the tiles changes, so every output must equal the default
+walk's bit for bit (each tile is the same wgmmas on the same operands in the same K order), and the
+default output is checked against an fp64 reference (bf16) or the fp8 emulation, so that two equally
+broken walks cannot pass.
 
 The cases aim at the walk's tails (kernels/scheduler/sm90_grouped.cuh): a last group with fewer blocks
-than group_m, groups that straddle experts, blocks no expert owns, empty experts, one block in all,
-groups of one block, and clusters of 2 (groups rounded up to pairs). Outputs are NaN-poisoned: rows no
-expert owns must stay NaN, every other element must be written.
+than group_m, groups that straddle experts, experts of more blocks than a group, blocks no expert owns,
+empty experts, one block in all, groups of one block, and clusters of 2 (groups rounded up to pairs).
+Outputs are NaN-poisoned: rows no expert owns must stay NaN, every other element must be written.
 
-CPU: the knob's checks, names and sources, and the selection's values.
+CPU: the knobs' checks, names and sources, the selection, and the walk's arithmetic (every owned tile
+once) on a host model of the scheduler.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.jit_kernels import sm90_fp8_grouped_gemm as fg
 from deep_gemm_ext.recipes import fp8 as recipe
 
-from conftest import requires_hopper
+from conftest import requires_compiler, requires_hopper
 from gpu_utils import (assert_close_where_owned, assert_same_bits, case_seed, gather_case, m_grouped_case,
                        m_grouped_reference, nan_bf16, ragged_pool, routed_pool, scatter_case)
 
@@ -65,18 +67,133 @@ def test_group_m_launcher_checks_come_first():
         fg.m_grouped_fp8_gemm_nt_contiguous(q, torch.ones(128, 1), q[None], torch.ones(1, 1, 1), s, e, group_m=True)
 
 
-def test_select_group_m():
+def test_expert_groups_names_sources_and_rejects():
+    base = gg.GemmConfig("nn", 256, epilogue="scatter")
+    c = dataclasses.replace(base, expert_groups=True, group_m=8)
+    assert c.name == base.name + "_g8_eg"
+    assert "256, 4, 1, false, 8, dge::gemm::ElementType::BF16, 0, true>" in c.code()
+    f = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=2048, expert_groups=True)
+    assert f.name.endswith("_k2048_eg") and "192, 4, 1, false, 16, dge::gemm::ElementType::E4M3, 2048, true>" in f.code()
+    f = gg.GemmConfig("nt", 128, dtype="fp8", expert_groups=True)
+    assert "128, 5, 1, false, 16, dge::gemm::ElementType::E4M3, 0, true>" in f.code()
+    for kwargs in (dict(cluster_n=2), dict(gather_a="cp_async", await_rows=True)):
+        with pytest.raises(ValueError, match="expert_groups=True takes"):
+            gg.GemmConfig("nt", 256, expert_groups=True, **kwargs)
+    with pytest.raises(ValueError, match="expert_groups=True takes an M-grouped layout"):
+        gg.GemmConfig("tn", 256, expert_groups=True)
+    with pytest.raises(ValueError, match="expert_groups=1"):
+        gg.GemmConfig("nt", 256, expert_groups=1)
+
+
+def test_expert_groups_launcher_checks():
+    a, b = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(1, 256, 64, dtype=torch.bfloat16)
+    s, e = torch.zeros(1, dtype=torch.int32), torch.full((1,), 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert_groups=True with cluster_n=2"):
+        gg.m_grouped_bf16_gemm_nn_contiguous(a, b, s, e, cluster_n=2, expert_groups=True)
+    with pytest.raises(ValueError, match="expert_groups='yes': expected None or a bool"):
+        gg.m_grouped_bf16_gemm_nt_contiguous(a, b, s, e, expert_groups="yes")
+    q = torch.zeros(128, 128).to(fg.FP8_DTYPE)
+    with pytest.raises(ValueError, match="expert_groups=True with cluster_n=2"):
+        fg.m_grouped_fp8_gemm_nt_contiguous(q, torch.ones(128, 1), q[None], torch.ones(1, 1, 1), s, e, cluster_n=2,
+                                            expert_groups=True)
+
+
+def test_select_walk():
     for rows, experts in ((0, 0), (128, 1), (65536 + 256 * 128, 256), (16384 * 8, 128), (4096 * 8 + 128 * 128, 128)):
-        assert gg.select_group_m(rows, experts) in gg.GROUP_M_CHOICES
+        group_m, expert_groups = gg.select_walk(rows, experts)
+        assert group_m in gg.GROUP_M_CHOICES and isinstance(expert_groups, bool)
+        # Where the launch cannot take groups within experts, resolve_walk does not choose them.
+        assert gg.resolve_walk(None, None, rows, experts, cluster_n=2) == (group_m, False)
+        assert gg.resolve_walk(None, None, rows, experts, awaits=True) == (group_m, False)
+        assert gg.resolve_walk(4, True, rows, experts) == (4, True)
+
+
+_EG_CONFIGS = [gg.GemmConfig("nt", 256, gather_a="cp_async", expert_groups=True),
+               gg.GemmConfig("nt", 128, gather_a="cp_async", expert_groups=True, group_m=8),
+               gg.GemmConfig("nt", 256, epilogue="scatter_weighted", expert_groups=True),
+               gg.GemmConfig("nn", 256, epilogue="scatter", expert_groups=True, group_m=8),
+               gg.GemmConfig("nn", 256, expert_groups=True),
+               gg.GemmConfig("nt", 192, dtype="fp8", shape_k=2048, expert_groups=True),
+               gg.GemmConfig("nt", 128, dtype="fp8", fp8_mainloop="overlap", epilogue="scatter", expert_groups=True)]
+
+
+@requires_compiler
+@pytest.mark.parametrize("config", _EG_CONFIGS, ids=[c.name for c in _EG_CONFIGS])
+def test_expert_groups_compile_without_spills(config):
+    usage = config.kernel().resources()
+    assert usage and all(u.spill_bytes == 0 for u in usage), f"{config.name}: {usage}"
+    plain = dataclasses.replace(config, expert_groups=False, group_m=gg.GROUP_M_DEFAULT)
+    assert config.smem_bytes() == plain.smem_bytes()
+
+
+def _host_walk(starts, ends, n_blocks, group_m, expert_groups, block_m=128):
+    """The tiles GroupedScheduler::next hands out for units 0, 1, ... (cluster 1, no M order), in order."""
+    num_m = -(-ends[-1] // block_m) if ends else 0
+
+    def expert_of(m):
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            if s <= m * block_m < t:
+                return e
+        return None
+
+    tiles = []
+    for unit in range(num_m * n_blocks):
+        if expert_groups:
+            block = unit // n_blocks
+            e = expert_of(block)
+            if e is None:
+                continue
+            first, last = -(-starts[e] // block_m), -(-ends[e] // block_m)
+            group_first = first + (block - first) // group_m * group_m
+            rows = min(group_m, last - group_first)
+            in_group = unit - group_first * n_blocks
+            m, n = group_first + in_group % rows, in_group // rows
+        else:
+            group, in_group = divmod(unit, group_m * n_blocks)
+            rows = min(group_m, num_m - group * group_m)
+            m, n = group * group_m + in_group % rows, in_group // rows
+            e = expert_of(m)
+            if e is None:
+                continue
+        tiles.append((m, n, e))
+    return tiles
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_walks_hand_out_every_owned_tile_once(seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = int(torch.randint(1, 12, (1,), generator=g))
+    sizes = torch.randint(0, 40, (experts,), generator=g).tolist()
+    starts, ends, row = [], [], 0
+    for i, size in enumerate(sizes):
+        row += 128 * int(torch.randint(0, 2, (1,), generator=g))  # blocks no expert owns between experts
+        starts.append(row)
+        row += -(-size // 8) * 128 if i % 3 else size * 128  # experts of 0..39 blocks
+        ends.append(row)
+    n_blocks = int(torch.randint(1, 6, (1,), generator=g))
+    owned = {(m, n, e) for e, (s, t) in enumerate(zip(starts, ends)) for m in range(s // 128, t // 128)
+             for n in range(n_blocks)}
+    for group_m in gg.GROUP_M_CHOICES:
+        for expert_groups in (False, True):
+            tiles = _host_walk(starts, ends, n_blocks, group_m, expert_groups)
+            assert len(tiles) == len(set(tiles)) and set(tiles) == owned, (seed, group_m, expert_groups)
+            # Each group's tiles are handed out in one run: groups of group_m blocks counted from block 0,
+            # or, within experts, from each expert's first block (so no group holds two experts).
+            keys = [(e, (m - starts[e] // 128) // group_m) if expert_groups else m // group_m for m, n, e in tiles]
+            runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+            assert len(runs) == len(set(runs)), (seed, group_m, expert_groups)
 
 
 # -- GPU ----------------------------------------------------------------------------------------------------
 
 # Pools: the hand-made ragged one (11 used blocks, an empty expert, a block past ends[-1]), uniform over
-# 16 experts (blocks of several experts per group), zipf (one expert of many blocks), empty experts, one
+# 16 experts (blocks of several experts per group), zipf (one expert of many blocks; at T 4000 more than
+# 32, so groups within it too), empty experts, one
 # block in all.
-_POOLS = [("hand", 0), ("uniform", 1500), ("zipf", 900), ("empty_experts", 500), ("uniform", 1)]
-_GROUPS = [g for g in gg.GROUP_M_CHOICES if g != gg.GROUP_M_DEFAULT]
+_POOLS = [("hand", 0), ("uniform", 1500), ("zipf", 900), ("zipf", 4000), ("empty_experts", 500), ("uniform", 1)]
+# (group_m, expert_groups) besides the default walk.
+_WALKS = ([(g, False) for g in gg.GROUP_M_CHOICES if g != gg.GROUP_M_DEFAULT] +
+          [(g, True) for g in (1, 2, 8, gg.GROUP_M_DEFAULT, 32)])
 
 
 def _pool(kind: str, tokens: int, seed: int):
@@ -92,11 +209,15 @@ def _pool(kind: str, tokens: int, seed: int):
 def test_bf16_group_m_same_bits(kind, tokens, layout, cluster_n):
     n = 768  # three 256-wide N blocks: groups of tiles that end mid-row of a wave
     c = m_grouped_case(kind, tokens, n, 320, layout, _pool)
-    base = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=cluster_n, group_m=gg.GROUP_M_DEFAULT)
+    base = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=cluster_n, group_m=gg.GROUP_M_DEFAULT,
+                expert_groups=False)
     assert_close_where_owned(base, m_grouped_reference(c.a, c.w_of, c.starts, c.ends, n), c.what)
-    for g in _GROUPS:
-        got = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=cluster_n, group_m=g)
-        assert_same_bits(base, got, f"{c.what} cluster_n={cluster_n}", f"group_m={g} differs from the default")
+    for g, eg in _WALKS:
+        if eg and cluster_n > 1:
+            continue  # groups within experts take no clusters (test_expert_groups_launcher_checks)
+        got = c.fn(c.a, c.b, c.starts, c.ends, nan_bf16(c.rows, n), cluster_n=cluster_n, group_m=g, expert_groups=eg)
+        assert_same_bits(base, got, f"{c.what} cluster_n={cluster_n}",
+                         f"group_m={g} expert_groups={eg} differs from the default")
 
 
 @requires_hopper
@@ -108,11 +229,13 @@ def test_bf16_group_m_scatter_same_bits(kind, tokens, layout, weighted):
     c = scatter_case(kind, tokens, n, 256, layout, weighted, seed)
     meta = c.meta
     what = f"{layout} scatter weighted={weighted} {kind} T={tokens} seed={seed}"
-    base = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter)
+    base = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter,
+                group_m=gg.GROUP_M_DEFAULT, expert_groups=False)
     assert_close_where_owned(base, c.reference(), what)
-    for g in _GROUPS:
-        got = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter, group_m=g)
-        assert_same_bits(base, got, what, f"group_m={g} differs from the default")
+    for g, eg in _WALKS:
+        got = c.fn(c.a, c.b, meta.starts, meta.ends, nan_bf16(c.slots, n), scatter=c.scatter, group_m=g,
+                   expert_groups=eg)
+        assert_same_bits(base, got, what, f"group_m={g} expert_groups={eg} differs from the default")
 
 
 @requires_hopper
@@ -122,13 +245,13 @@ def test_bf16_group_m_gather_same_bits():
     meta = c.meta
     gather = gg.Gather(meta.row_to_slot, c.top_k)
     base = gg.m_grouped_bf16_gemm_nt_contiguous(c.x, c.b, meta.starts, meta.ends, nan_bf16(c.rows, 512),
-                                                gather=gather)
+                                                gather=gather, group_m=gg.GROUP_M_DEFAULT, expert_groups=False)
     ref = m_grouped_reference(c.pool, lambda e: c.b[e].T, meta.starts, meta.ends, 512)
     assert_close_where_owned(base, ref, f"gather seed={seed}")
-    for g in _GROUPS:
+    for g, eg in _WALKS:
         got = gg.m_grouped_bf16_gemm_nt_contiguous(c.x, c.b, meta.starts, meta.ends, nan_bf16(c.rows, 512),
-                                                   gather=gather, group_m=g)
-        assert_same_bits(base, got, f"gather seed={seed}", f"group_m={g} differs from the default")
+                                                   gather=gather, group_m=g, expert_groups=eg)
+        assert_same_bits(base, got, f"gather seed={seed}", f"group_m={g} expert_groups={eg} differs from the default")
 
 
 @requires_hopper
@@ -143,12 +266,13 @@ def test_fp8_group_m_same_bits(kind, tokens, block_n):
     b_q, sb = recipe.quantize_weight_blocks(torch.randn(starts.shape[0], n, k, generator=g).cuda())
     run = fg.m_grouped_fp8_gemm_nt_contiguous
     what = f"fp8 n{block_n} {kind} T={tokens} seed={seed}"
-    base = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n)
+    base = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n, group_m=gg.GROUP_M_DEFAULT,
+               expert_groups=False)
     emu = recipe.emulate_grouped_gemm_nt(a_q, sa, b_q, sb, starts, ends)
     ref = torch.full((rows, n), float("nan"), dtype=torch.float64, device="cuda")
     for s, t in zip(starts.tolist(), ends.tolist()):
         ref[s:t] = emu[s:t].double()
     assert_close_where_owned(base, ref, what, tol=2e-2)
-    for gm in _GROUPS:
-        got = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n, group_m=gm)
-        assert_same_bits(base, got, what, f"group_m={gm} differs from the default")
+    for gm, eg in _WALKS:
+        got = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n, group_m=gm, expert_groups=eg)
+        assert_same_bits(base, got, what, f"group_m={gm} expert_groups={eg} differs from the default")

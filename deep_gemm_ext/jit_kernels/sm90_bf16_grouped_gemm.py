@@ -113,6 +113,9 @@ AWAIT_ARGS = (KernelArg("await_arrivals", "const long long*"), KernelArg("await_
               KernelArg("await_m_order", "const int*"))
 #: What the waiting loader takes: the L1 forward's layout and gather, bf16, no clusters.
 _AWAIT_RULES = dict(layout="nt", gather_a="cp_async", dtype="bf16", cluster_n=1)
+#: What groups within experts take (GemmConfig.expert_groups): no clusters (whose pairs of M blocks
+#: may straddle two experts), no awaited rows (which walk the M blocks in their arrival order).
+_EXPERT_GROUP_RULES = dict(cluster_n=1, await_rows=False)
 
 
 class Mainloop(NamedTuple):
@@ -210,6 +213,9 @@ class GemmConfig:
     # M blocks per scheduler group (GROUP_M_CHOICES; M-grouped layouts only, K-grouped tiles are walked
     # expert by expert).
     group_m: int = GROUP_M_DEFAULT
+    # The scheduler's groups stay within one expert (M-grouped, no clusters, no awaited rows): each
+    # expert's blocks are cut into groups of group_m from its first block (kernels/scheduler/sm90_grouped.cuh).
+    expert_groups: bool = False
 
     def __post_init__(self):
         widths = FP8_BLOCK_NS if (self.dtype == "fp8" and self.layout == "nt") else _WIDTHS
@@ -265,6 +271,15 @@ class GemmConfig:
         if self.group_m != GROUP_M_DEFAULT and _TYPES[self.layout][0] != "MGroupedContiguous":
             raise ValueError(f"GemmConfig: group_m={self.group_m} with layout={self.layout!r}, expected "
                              f"{GROUP_M_DEFAULT} (K-grouped tiles are walked expert by expert)")
+        if not isinstance(self.expert_groups, bool):
+            raise ValueError(f"GemmConfig: expert_groups={self.expert_groups!r}, expected a bool")
+        if self.expert_groups:
+            wrong = {k: getattr(self, k) for k, v in _EXPERT_GROUP_RULES.items() if getattr(self, k) != v}
+            if _TYPES[self.layout][0] != "MGroupedContiguous":
+                wrong["layout"] = self.layout
+            if wrong:
+                raise ValueError(f"GemmConfig: expert_groups=True takes an M-grouped layout and "
+                                 f"{_EXPERT_GROUP_RULES}, got {wrong}")
         if isinstance(self.shape_k, bool) or not isinstance(self.shape_k, int) or self.shape_k < 0:
             raise ValueError(f"GemmConfig: shape_k={self.shape_k!r}, expected a non-negative int (0: K at run time)")
         if self.shape_k:
@@ -307,6 +322,8 @@ class GemmConfig:
             name += f"_k{self.shape_k}"
         if self.group_m != GROUP_M_DEFAULT:
             name += f"_g{self.group_m}"
+        if self.expert_groups:
+            name += "_eg"
         return name
 
     @property
@@ -336,10 +353,14 @@ class GemmConfig:
         else:
             includes = f"#include <{epilogue.header}>\n#include <{mainloop.header}>\n"
             extra = f", dge::gemm::ElementType::{mainloop.element}"
-            if self.shape_k:
+            if self.shape_k or self.expert_groups:
                 extra += f", {self.shape_k}"
             # The mainloop's own smem (the fp8 M-grouped mainloop's staged scales).
             smem_extra = f", {mainloop_cpp}<Traits, false>::kSmemBytes"
+        if self.expert_groups:
+            if not extra:
+                extra = f", dge::gemm::ElementType::{mainloop.element}, 0"
+            extra += ", true"
         return (includes +
                 "#include <impls/sm90_bf16_grouped_gemm.cuh>\n"
                 f"using Traits = dge::gemm::GemmTraits<dge::sched::GroupedGemmType::{gemm_type}, "
@@ -396,16 +417,37 @@ def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False) -> None:
                              f"and unpaired tiles (expected {label}={plain!r})")
 
 
-def _check_group_m(group_m) -> None:
-    """``group_m=`` of an M-grouped launcher: None (select_group_m) or one of GROUP_M_CHOICES."""
+def _check_group_m(group_m, expert_groups=None, *, cluster_n: int = 1, awaits: bool = False) -> None:
+    """``group_m=`` / ``expert_groups=`` of an M-grouped launcher: None (select_walk), one of
+    GROUP_M_CHOICES / a bool; groups within experts not with clusters or awaited rows."""
     if group_m is not None and (isinstance(group_m, bool) or group_m not in GROUP_M_CHOICES):
         raise ValueError(f"group_m={group_m!r}: expected None or one of {GROUP_M_CHOICES}")
+    if expert_groups is not None and not isinstance(expert_groups, bool):
+        raise ValueError(f"expert_groups={expert_groups!r}: expected None or a bool")
+    if expert_groups and cluster_n != 1:
+        raise ValueError(f"expert_groups=True with cluster_n={cluster_n}: a cluster's pair of M blocks may "
+                         f"straddle two experts (expected cluster_n=1)")
+    if expert_groups and awaits:
+        raise ValueError("expert_groups=True with gather.await_rows: awaited rows walk the M blocks in their "
+                         "arrival order")
 
 
-def select_group_m(rows: int, num_experts: int) -> int:
-    """M blocks per scheduler group for a pool of ``rows`` rows over ``num_experts`` experts (both known
-    on the host, no synchronisation)."""
-    return GROUP_M_DEFAULT
+def select_walk(rows: int, num_experts: int) -> tuple[int, bool]:
+    """The scheduler's walk of the M-grouped GEMMs for a pool of ``rows`` rows over ``num_experts``
+    experts (both known on the host, no synchronisation): (group_m, expert_groups)."""
+    return GROUP_M_DEFAULT, False
+
+
+def resolve_walk(group_m, expert_groups, rows: int, num_experts: int, *, cluster_n: int = 1,
+                 awaits: bool = False) -> tuple[int, bool]:
+    """The launcher's ``group_m`` / ``expert_groups`` where given, select_walk's where None (groups within
+    experts only where the launch takes them)."""
+    chosen_m, chosen_e = select_walk(rows, num_experts)
+    if group_m is None:
+        group_m = chosen_m
+    if expert_groups is None:
+        expert_groups = chosen_e and cluster_n == 1 and not awaits
+    return group_m, expert_groups
 
 
 def select_tile(n: int, *, divides: bool = False) -> Tile:
@@ -802,10 +844,12 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
 
 
 def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gather | None = None,
-               scatter: Scatter | None = None, cluster_n: int = 1, group_m: int | None = None) -> torch.Tensor:
-    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m)
+               scatter: Scatter | None = None, cluster_n: int = 1, group_m: int | None = None,
+               expert_groups: bool | None = None) -> torch.Tensor:
+    key = checks_key("m", layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m,
+                     expert_groups)
     num_experts, k, rows, n, block_n, config = checked(key, lambda: _m_grouped_checks(
-        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m))
+        layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m, expert_groups))
     if out is None:
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16, device=a.device)
     if config is None:  # nothing to compute
@@ -821,12 +865,14 @@ def _m_grouped(layout: str, a, b, starts, ends, out, paired_n: bool, gather: Gat
     return out
 
 
-def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m=None):
+def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m=None,
+                      expert_groups=None):
     """Every check of :func:`_m_grouped` that its key settles; ``(E, K, rows, N, block_n, config)``,
     config None when there is nothing to compute."""
     _check_gather(gather)
-    _check_group_m(group_m)
     _check_cluster(cluster_n, gather=gather, paired_n=paired_n)
+    awaits = _await_of(gather) is not None
+    _check_group_m(group_m, expert_groups, cluster_n=cluster_n, awaits=awaits)
     if scatter is not None and paired_n:
         raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
     num_experts = _check_inputs(a, b, 3, starts, ends)
@@ -852,18 +898,19 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
-    if group_m is None:
-        group_m = select_group_m(rows, num_experts)
+    group_m, expert_groups = resolve_walk(group_m, expert_groups, rows, num_experts, cluster_n=cluster_n,
+                                          awaits=awaits)
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, cluster_n=cluster_n,
-                           await_rows=_await_of(gather) is not None, group_m=group_m)
+                           await_rows=awaits, group_m=group_m, expert_groups=expert_groups)
     return num_experts, k, rows, n, block_n, config
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, paired_n: bool = False,
                                       gather: Gather | None = None, scatter: Scatter | None = None,
-                                      cluster_n: int = 1, group_m: int | None = None) -> torch.Tensor:
+                                      cluster_n: int = 1, group_m: int | None = None,
+                                      expert_groups: bool | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e].T`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, N, K] bf16 (K-major weights, e.g. l1_weights [E, 2I, H]),
@@ -874,21 +921,23 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, starts: 
     row r of the product goes to out[row_to_slot[r]] (weighted when scatter has weights); see
     Scatter. ``cluster_n``: CTAs per cluster (CLUSTER_SIZES; 2 shares B tiles between adjacent M blocks
     by multicast, without gather or paired_n), same bits under each. ``group_m``: M blocks per
-    scheduler group (GROUP_M_CHOICES; None: select_group_m), same bits under each.
+    scheduler group (GROUP_M_CHOICES), ``expert_groups``: groups that stay within one expert (cluster_n=1,
+    no awaited rows); None: select_walk's; the same bits under each.
     """
-    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m)
+    return _m_grouped("nt", a, b, starts, ends, out, paired_n, gather, scatter, cluster_n, group_m, expert_groups)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                                       out: torch.Tensor | None = None, *, scatter: Scatter | None = None,
-                                      cluster_n: int = 1, group_m: int | None = None) -> torch.Tensor:
+                                      cluster_n: int = 1, group_m: int | None = None,
+                                      expert_groups: bool | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = a[r] @ b[e]`` for every pool row r of expert e.
 
     a [P, K] bf16 pool, b [E, K, N] bf16 (MN-major, e.g. l2_weights [E, H, I] for da' = dy @ W2[e]),
     K a multiple of 64. ``scatter``: out is [num_slots, N] in slot order (e.g. dx's top-k rows for
-    combine_slots). ``cluster_n``, ``group_m``: as for m_grouped_bf16_gemm_nt_contiguous.
+    combine_slots). ``cluster_n``, ``group_m``, ``expert_groups``: as for m_grouped_bf16_gemm_nt_contiguous.
     """
-    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, group_m)
+    return _m_grouped("nn", a, b, starts, ends, out, False, None, scatter, cluster_n, group_m, expert_groups)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,

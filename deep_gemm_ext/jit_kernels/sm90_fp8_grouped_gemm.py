@@ -46,7 +46,7 @@ from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_BLOCK_NS, FP8_M
                                      _check_cluster, _check_expert_weight, _check_group_m, _check_inputs,
                                      _check_multiple, _check_out, _check_scatter, _check_tensor, _launch,
                                      _store_or_scatter_args, cached_config, checked, checks_key,
-                                     fp8_static_k_stages, select_group_m)
+                                     fp8_static_k_stages, resolve_walk)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -124,7 +124,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
                                      starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None, *,
                                      scatter: Scatter | None = None, mainloop: str = "serial",
                                      cluster_n: int = 1, static_k: bool = False,
-                                     block_n: int = _FP8_BLOCK_N, group_m: int | None = None) -> torch.Tensor:
+                                     block_n: int = _FP8_BLOCK_N, group_m: int | None = None,
+                                     expert_groups: bool | None = None) -> torch.Tensor:
     """out [P, N] bf16 with ``out[r] = dequant(a_q, sa)[r] @ dequant(b_q, sb)[e].T`` for every pool row r
     of expert e, accumulated in fp32 with the scales applied per 128-wide k-block (module docstring).
 
@@ -141,12 +142,14 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
     are at most FP8_STATIC_K_UNROLLED_BLOCKS of them) and it compiles without spills (else the
     K-argument kernel); the same bits. ``block_n``: the N tile,
     FP8_BLOCK_NS (192: serial mainloop only; each output element's k-block partial sums and promotion
-    are those of the 128-wide tile). ``group_m``: M blocks per scheduler group, as for the bf16 GEMMs.
+    are those of the 128-wide tile). ``group_m``, ``expert_groups``: the scheduler's walk, as for the bf16
+    GEMMs (same bits).
     """
     key = checks_key("fp8 m", a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n,
-                     group_m)
+                     group_m, expert_groups)
     rows, n, k, num_experts, config = checked(key, lambda: _m_grouped_checks(
-        a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n, group_m))
+        a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n, group_m,
+        expert_groups))
     if out is None:
         out = torch.empty((rows if scatter is None else scatter.num_slots, n), dtype=torch.bfloat16,
                           device=a_q.device)
@@ -160,7 +163,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a_q: torch.Tensor, sa: torch.Tensor, b_q: t
 
 
 def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cluster_n, static_k, block_n,
-                      group_m=None):
+                      group_m=None, expert_groups=None):
     """Every check of :func:`m_grouped_fp8_gemm_nt_contiguous` that its key settles;
     ``(rows, N, K, E, config)``, config None when there is nothing to compute."""
     if not isinstance(mainloop, str) or mainloop not in MAINLOOP_SCHEDULES:
@@ -171,7 +174,7 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
         raise ValueError(f"block_n={block_n} with mainloop={mainloop!r}: the {block_n}-wide tile runs the serial "
                          f"mainloop only (two partial sums of its slice do not fit the registers)")
     _check_cluster(cluster_n)
-    _check_group_m(group_m)
+    _check_group_m(group_m, expert_groups, cluster_n=cluster_n)
     if not isinstance(static_k, bool):
         raise ValueError(f"static_k={static_k!r}: expected a bool")
     # Types and shapes first (checkable anywhere), then devices.
@@ -204,10 +207,9 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
-    if group_m is None:
-        group_m = select_group_m(rows, num_experts)
+    group_m, expert_groups = resolve_walk(group_m, expert_groups, rows, num_experts, cluster_n=cluster_n)
     config = cached_config("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
-                           cluster_n=cluster_n, group_m=group_m)
+                           cluster_n=cluster_n, group_m=group_m, expert_groups=expert_groups)
     if static_k:
         config = _static_k_config(config, k)
     return rows, n, k, num_experts, config

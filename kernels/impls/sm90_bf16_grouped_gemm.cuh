@@ -128,7 +128,7 @@ sm90_grouped_gemm_kernel(const int* __restrict__ starts, const int* __restrict__
                                        Load::kCopyArrivals + MMA::kProducerArrivals>;
     using Scheduler =
         sched::GroupedScheduler<Traits::kType, BLOCK_M, Traits::kBlockK, Traits::kGroupM, Traits::kClusterN,
-                                Load::kOrderedM>;
+                                Load::kOrderedM, Traits::kExpertGroups>;
     using Columns = TileColumns<Traits::BLOCK_N, Traits::kPairedN>;
     constexpr uint32_t kClusterN = Traits::kClusterN;
     static_assert(Load::kNumArgs == 0 || MMA::kNumArgs == 0, "a loader with kernel arguments takes the bf16 mainloop");

@@ -37,12 +37,13 @@ __host__ __device__ constexpr uint32_t constexpr_gcd(uint32_t a, uint32_t b) {
 
 // One GEMM of the core: grouping, operand majors, the 128 x BLOCK_N tile, the smem ring depth,
 // CTAs per cluster (kClusterN: 1, or 2 on adjacent M blocks sharing B by multicast), paired N
-// tiling (below), the scheduler's M-block group, the operand element type, and K when it is
-// compiled in (kShapeK, 0: a kernel argument). Both consumer warpgroups work on every tile,
+// tiling (below), the scheduler's M-block group, the operand element type, K when it is
+// compiled in (kShapeK, 0: a kernel argument), and whether the scheduler's groups stay within one
+// expert (kExpertGroups, sched::GroupedScheduler). Both consumer warpgroups work on every tile,
 // warpgroup w on its rows [64 w, 64 w + 64).
 template <GroupedGemmType kType_, Major kMajorA_, Major kMajorB_, uint32_t BLOCK_N_, uint32_t kNumStages_,
           uint32_t kClusterN_, bool kPairedN_, uint32_t kGroupM_, ElementType kElement_ = ElementType::BF16,
-          uint32_t kShapeK_ = 0>
+          uint32_t kShapeK_ = 0, bool kExpertGroups_ = false>
 struct GemmTraits {
     static constexpr GroupedGemmType kType = kType_;
     static constexpr Major kMajorA = kMajorA_;
@@ -52,6 +53,7 @@ struct GemmTraits {
     static constexpr uint32_t kClusterN = kClusterN_;
     static constexpr bool kPairedN = kPairedN_;
     static constexpr uint32_t kGroupM = kGroupM_;
+    static constexpr bool kExpertGroups = kExpertGroups_;
     static constexpr ElementType kElement = kElement_;
     // K elements per k-block (one stage): 128 bytes of each operand row.
     static constexpr uint32_t kBlockK = kElement == ElementType::BF16 ? BLOCK_K : 128;

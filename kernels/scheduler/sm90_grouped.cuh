@@ -6,7 +6,11 @@
 // binary search over the ranges (owning_expert_staged on the kernel's shared-memory copy of them, or
 // owning_expert on `ends` in global memory); blocks past ends[E-1] are not scheduled and blocks
 // owned by no expert are skipped. Tiles are walked in groups of kGroupM M blocks that sweep all N blocks, so the
-// CTAs resident at one time share A blocks and expert weights in L2.
+// CTAs resident at one time share A blocks and expert weights in L2. With kExpertGroups (no clusters, no M
+// order) a group never crosses an expert: each expert's blocks are cut into groups of kGroupM from its first
+// block, the last one shorter. Then an expert with fewer blocks than kGroupM is one group, whose tiles of
+// one weight block run side by side, and no expert's weights are read by two groups far apart in time
+// (with groups of fixed size, an expert that straddles two of them is).
 //
 // K-grouped (weight gradients): tiles are (expert, M block, N block) of the [E, M, N] output; the
 // K loop runs over the expert's pool rows, 0 blocks for an empty expert.
@@ -105,10 +109,13 @@ __device__ __forceinline__ uint32_t owning_expert_staged(uint32_t table, uint32_
 // (a permutation of the used blocks, set by the kernel after construction) instead of 0, 1, ...: the
 // L1 GEMM overlapped with the expert-parallel dispatch walks them in the order their rows arrive.
 template <GroupedGemmType kType, uint32_t BLOCK_M, uint32_t BLOCK_K, uint32_t kGroupM, uint32_t kClusterSize,
-          bool kOrderedM = false>
+          bool kOrderedM = false, bool kExpertGroups = false>
 struct GroupedScheduler {
     static_assert(!kOrderedM || (kType == GroupedGemmType::MGroupedContiguous && kClusterSize == 1),
                   "GroupedScheduler: an M order is for M-grouped GEMMs without clusters");
+    static_assert(!kExpertGroups ||
+                      (kType == GroupedGemmType::MGroupedContiguous && kClusterSize == 1 && !kOrderedM),
+                  "GroupedScheduler: groups within experts are for M-grouped GEMMs without clusters or an M order");
     static_assert(kGroupM > 0, "GroupedScheduler: kGroupM must be positive");
     static_assert(kClusterSize == 1 || kClusterSize == 2, "GroupedScheduler: clusters of 1 or 2 CTAs");
     // M blocks per unit and per scheduling group (M-grouped: kGroupM blocks, rounded up to pairs).
@@ -153,13 +160,41 @@ struct GroupedScheduler {
                                  : owning_expert(starts, ends, num_experts, m_block * BLOCK_M);
     }
 
+    // The blocks [first, last) of expert e (M-grouped).
+    __device__ __forceinline__ void expert_blocks(uint32_t e, uint32_t& first, uint32_t& last) const {
+        if (expert_table != 0) {
+            const uint32_t entry = ptx::ld_shared_u32(expert_table + 4 * e);
+            first = entry >> 16;
+            last = entry & 0xffffu;
+        } else {
+            first = ceil_div(static_cast<uint32_t>(__ldg(starts + e)), BLOCK_M);
+            last = ceil_div(static_cast<uint32_t>(__ldg(ends + e)), BLOCK_M);
+        }
+    }
+
     __device__ __forceinline__ bool next(GroupedTile& tile) {
         while (next_unit < num_tiles) {
             const uint32_t unit = next_unit;
             next_unit += stride;
             tile.multicast = false;
             tile.store = true;
-            if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
+            if constexpr (kExpertGroups) {
+                // Unit u is a tile of block u / N's group, as with fixed groups: the units of blocks
+                // [c, c + rows) are [c N, (c + rows) N), walked M block first.
+                const uint32_t block = unit / num_n_blocks;
+                tile.expert = expert_of(block);
+                if (tile.expert >= num_experts)
+                    continue;
+                uint32_t first, last;
+                expert_blocks(tile.expert, first, last);
+                const uint32_t group_first = first + (block - first) / kGroupM * kGroupM;
+                const uint32_t rows = min(kGroupM, last - group_first);
+                const uint32_t in_group = unit - group_first * num_n_blocks;
+                tile.m_block = group_first + in_group % rows;
+                tile.n_block = in_group / rows;
+                tile.num_k_blocks = num_k_blocks;
+                tile.k_row = 0;
+            } else if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
                 const uint32_t group_units = kGroupUnits * num_n_blocks;
                 const uint32_t group = unit / group_units, in_group = unit % group_units;
                 const uint32_t first_u = group * kGroupUnits;
