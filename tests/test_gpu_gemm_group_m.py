@@ -262,8 +262,8 @@ def test_fp8_group_m_same_bits(kind, tokens, block_n):
     starts, ends, rows = _pool(kind, tokens, seed)
     n, k = 576, 512
     g = torch.Generator().manual_seed(seed)
-    a_q, sa = recipe.quantize_rows(torch.randn(rows, k, generator=g).cuda())
-    b_q, sb = recipe.quantize_weight_blocks(torch.randn(starts.shape[0], n, k, generator=g).cuda())
+    a_q, sa = (t.contiguous() for t in recipe.quantize_rows(torch.randn(rows, k, generator=g).cuda()))
+    b_q, sb = (t.contiguous() for t in recipe.quantize_weight_blocks(torch.randn(starts.shape[0], n, k, generator=g).cuda()))
     run = fg.m_grouped_fp8_gemm_nt_contiguous
     what = f"fp8 n{block_n} {kind} T={tokens} seed={seed}"
     base = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n, group_m=gg.GROUP_M_DEFAULT,
