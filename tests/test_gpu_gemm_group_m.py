@@ -73,7 +73,8 @@ def test_expert_groups_names_sources_and_rejects():
     assert c.name == base.name + "_g8_eg"
     assert "256, 4, 1, false, 8, dge::gemm::ElementType::BF16, 0, true>" in c.code()
     f = gg.GemmConfig("nt", 192, dtype="fp8", shape_k=2048, expert_groups=True)
-    assert f.name.endswith("_k2048_eg") and "192, 4, 1, false, 16, dge::gemm::ElementType::E4M3, 2048, true>" in f.code()
+    assert f.name.endswith("_k2048_eg")
+    assert "192, 4, 1, false, 16, dge::gemm::ElementType::E4M3, 2048, true>" in f.code()
     f = gg.GemmConfig("nt", 128, dtype="fp8", expert_groups=True)
     assert "128, 5, 1, false, 16, dge::gemm::ElementType::E4M3, 0, true>" in f.code()
     for kwargs in (dict(cluster_n=2), dict(gather_a="cp_async", await_rows=True)):
@@ -263,7 +264,8 @@ def test_fp8_group_m_same_bits(kind, tokens, block_n):
     n, k = 576, 512
     g = torch.Generator().manual_seed(seed)
     a_q, sa = (t.contiguous() for t in recipe.quantize_rows(torch.randn(rows, k, generator=g).cuda()))
-    b_q, sb = (t.contiguous() for t in recipe.quantize_weight_blocks(torch.randn(starts.shape[0], n, k, generator=g).cuda()))
+    w = torch.randn(starts.shape[0], n, k, generator=g).cuda()
+    b_q, sb = (t.contiguous() for t in recipe.quantize_weight_blocks(w))
     run = fg.m_grouped_fp8_gemm_nt_contiguous
     what = f"fp8 n{block_n} {kind} T={tokens} seed={seed}"
     base = run(a_q, sa, b_q, sb, starts, ends, nan_bf16(rows, n), block_n=block_n, group_m=gg.GROUP_M_DEFAULT,
