@@ -417,7 +417,7 @@ def _check_cluster(cluster_n, *, gather=None, paired_n: bool = False) -> None:
                              f"and unpaired tiles (expected {label}={plain!r})")
 
 
-def _check_group_m(group_m, expert_groups=None, *, cluster_n: int = 1, awaits: bool = False) -> None:
+def _check_walk(group_m, expert_groups=None, *, cluster_n: int = 1, awaits: bool = False) -> None:
     """``group_m=`` / ``expert_groups=`` of an M-grouped launcher: None (select_walk), one of
     GROUP_M_CHOICES / a bool; groups within experts not with clusters or awaited rows."""
     if group_m is not None and (isinstance(group_m, bool) or group_m not in GROUP_M_CHOICES):
@@ -872,7 +872,7 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
     _check_gather(gather)
     _check_cluster(cluster_n, gather=gather, paired_n=paired_n)
     awaits = _await_of(gather) is not None
-    _check_group_m(group_m, expert_groups, cluster_n=cluster_n, awaits=awaits)
+    _check_walk(group_m, expert_groups, cluster_n=cluster_n, awaits=awaits)
     if scatter is not None and paired_n:
         raise ValueError("scatter with paired_n=True: the combine epilogue stores plain (unpaired) N tiles")
     num_experts = _check_inputs(a, b, 3, starts, ends)

@@ -43,10 +43,10 @@ import torch
 
 from .. import jit
 from .sm90_bf16_grouped_gemm import (_BLOCK_M, _FP8_BLOCK_N, FP8_BLOCK_NS, FP8_MAINLOOPS, GemmConfig, Scatter,
-                                     _check_cluster, _check_expert_weight, _check_group_m, _check_inputs,
+                                     _check_cluster, _check_expert_weight, _check_inputs,
                                      _check_multiple, _check_out, _check_scatter, _check_tensor, _launch,
                                      _store_or_scatter_args, cached_config, checked, checks_key,
-                                     fp8_static_k_stages, resolve_walk)
+                                     _check_walk, fp8_static_k_stages, resolve_walk)
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Elements of K (and of N for B) covered by one scale.
@@ -174,7 +174,7 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
         raise ValueError(f"block_n={block_n} with mainloop={mainloop!r}: the {block_n}-wide tile runs the serial "
                          f"mainloop only (two partial sums of its slice do not fit the registers)")
     _check_cluster(cluster_n)
-    _check_group_m(group_m, expert_groups, cluster_n=cluster_n)
+    _check_walk(group_m, expert_groups, cluster_n=cluster_n)
     if not isinstance(static_k, bool):
         raise ValueError(f"static_k={static_k!r}: expected a bool")
     # Types and shapes first (checkable anywhere), then devices.
