@@ -11,7 +11,7 @@ empty experts, one block in all, groups of one block, and clusters of 2 (groups 
 Outputs are NaN-poisoned: rows no expert owns must stay NaN, every other element must be written.
 
 CPU: the knobs' checks, names and sources, the selection, and the walk's arithmetic (every owned tile
-once) on a host model of the scheduler.
+once) on the host mirror of the scheduler (walk_tiles).
 """
 from __future__ import annotations
 
@@ -127,39 +127,6 @@ def test_expert_groups_compile_without_spills(config):
     assert config.smem_bytes() == plain.smem_bytes()
 
 
-def _host_walk(starts, ends, n_blocks, group_m, expert_groups, block_m=128):
-    """The tiles GroupedScheduler::next hands out for units 0, 1, ... (cluster 1, no M order), in order."""
-    num_m = -(-ends[-1] // block_m) if ends else 0
-
-    def expert_of(m):
-        for e, (s, t) in enumerate(zip(starts, ends)):
-            if s <= m * block_m < t:
-                return e
-        return None
-
-    tiles = []
-    for unit in range(num_m * n_blocks):
-        if expert_groups:
-            block = unit // n_blocks
-            e = expert_of(block)
-            if e is None:
-                continue
-            first, last = -(-starts[e] // block_m), -(-ends[e] // block_m)
-            group_first = first + (block - first) // group_m * group_m
-            rows = min(group_m, last - group_first)
-            in_group = unit - group_first * n_blocks
-            m, n = group_first + in_group % rows, in_group // rows
-        else:
-            group, in_group = divmod(unit, group_m * n_blocks)
-            rows = min(group_m, num_m - group * group_m)
-            m, n = group * group_m + in_group % rows, in_group // rows
-            e = expert_of(m)
-            if e is None:
-                continue
-        tiles.append((m, n, e))
-    return tiles
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_walks_hand_out_every_owned_tile_once(seed):
     g = torch.Generator().manual_seed(seed)
@@ -176,7 +143,7 @@ def test_walks_hand_out_every_owned_tile_once(seed):
              for n in range(n_blocks)}
     for group_m in gg.GROUP_M_CHOICES:
         for expert_groups in (False, True):
-            tiles = _host_walk(starts, ends, n_blocks, group_m, expert_groups)
+            tiles = gg.walk_tiles(starts, ends, n_blocks, group_m, expert_groups)
             assert len(tiles) == len(set(tiles)) and set(tiles) == owned, (seed, group_m, expert_groups)
             # Each group's tiles are handed out in one run: groups of group_m blocks counted from block 0,
             # or, within experts, from each expert's first block (so no group holds two experts).

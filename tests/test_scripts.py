@@ -484,3 +484,36 @@ def test_gemm_bench_relative_errors_one_expert_at_a_time():
     pieces = list(gemm_bench._k_grouped_reference(bounds, lambda s, t: a[s:t], lambda s, t: b[s:t]))
     assert [index for index, _ in pieces] == [0, 1, 2] and not pieces[1][1].any()
     assert gemm_bench._rel_errs([wgrad], pieces)[0] < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# walk_l2_model.py
+
+
+def test_walk_l2_model_bounds():
+    """With an L2 that holds everything the model reads each slab once (the minimum); with none, every
+    touch of every K step; under every walk (the order changes what is re-read, not what is read)."""
+    model = _load("walk_l2_model")
+    from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
+    bm, bn, step = model.BLOCK_M, model.BLOCK_N, model.K_STEP
+    sizes = [3, 0, 5, 1, 7, 2, 4]  # blocks per expert, an empty one among them
+    starts, ends, row = [], [], 0
+    for s in sizes:
+        starts.append(row)
+        row += s * bm
+        ends.append(row)
+    n, k = 3 * bn, 4 * step
+    blocks, experts = sum(sizes), sum(1 for s in sizes if s)
+    for size, eg in ((4, False), (4, True), (1, False)):
+        tiles = gg.walk_tiles(starts, ends, n // bn, size, eg)
+        assert len(tiles) == blocks * (n // bn)
+        assert model.dram_bytes(tiles, n, k, l2_bytes=1 << 40, sms=8) == blocks * bm * k * 2 + experts * n * k * 2
+        assert model.dram_bytes(tiles, n, k, l2_bytes=0, sms=8) == len(tiles) * (k // step) * (bm + bn) * step * 2
+
+
+def test_walk_l2_model_rejects_a_bad_walk(capsys, monkeypatch):
+    model = _load("walk_l2_model")
+    monkeypatch.setattr(sys, "argv", ["walk_l2_model.py", "--walks", "16,e3"])
+    with pytest.raises(SystemExit):
+        model.main()
+    assert "--walks: 'e3'" in capsys.readouterr().err

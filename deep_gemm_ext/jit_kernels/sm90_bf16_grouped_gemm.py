@@ -438,6 +438,41 @@ def select_walk(rows: int, num_experts: int) -> tuple[int, bool]:
     return GROUP_M_DEFAULT, False
 
 
+def walk_tiles(starts, ends, n_blocks: int, group_m: int, expert_groups: bool,
+               block_m: int = _BLOCK_M) -> list[tuple[int, int, int]]:
+    """The (M block, N block, expert) tiles the M-grouped scheduler (clusters of 1, no M order) hands out
+    for units 0, 1, ..., in that order: the arithmetic of GroupedScheduler::next on the host, for a pool
+    whose expert ``e`` owns the rows [starts[e], ends[e]) (Python ints, ends non-decreasing). Blocks no
+    expert owns are skipped as the kernel skips them."""
+    starts, ends = [int(s) for s in starts], [int(t) for t in ends]
+    num_m = -(-ends[-1] // block_m) if ends else 0
+    owner = [None] * num_m
+    for e in range(len(starts) - 1, -1, -1):  # the first expert whose range holds the block's first row
+        for m in range(-(-starts[e] // block_m), min(-(-ends[e] // block_m), num_m)):
+            owner[m] = e
+    tiles = []
+    for unit in range(num_m * n_blocks):
+        if expert_groups:
+            block = unit // n_blocks
+            e = owner[block]
+            if e is None:
+                continue
+            first, last = -(-starts[e] // block_m), -(-ends[e] // block_m)
+            group_first = first + (block - first) // group_m * group_m
+            rows = min(group_m, last - group_first)
+            in_group = unit - group_first * n_blocks
+            m, n = group_first + in_group % rows, in_group // rows
+        else:
+            group, in_group = divmod(unit, group_m * n_blocks)
+            rows = min(group_m, num_m - group * group_m)
+            m, n = group * group_m + in_group % rows, in_group // rows
+            e = owner[m]
+            if e is None:
+                continue
+        tiles.append((m, n, e))
+    return tiles
+
+
 def resolve_walk(group_m, expert_groups, rows: int, num_experts: int, *, cluster_n: int = 1,
                  awaits: bool = False) -> tuple[int, bool]:
     """The launcher's ``group_m`` / ``expert_groups`` where given, select_walk's where None (groups within
