@@ -116,14 +116,19 @@ def test_fp8_mainloop_knob_is_checked():
 
 
 def test_bf16_sources_do_not_mention_the_element_type():
-    # The bf16 configurations render the text they had before the fp8 policy (same cache keys).
+    # The bf16 configurations of the default walk render the text they had before the fp8 policy (same
+    # cache keys); those of groups within experts spell the trailing template arguments, element type
+    # included, but never fp8.
     for config in gg._all_configs():
         code = config.code()
-        assert config.dtype == "bf16" and "ElementType" not in code and "fp8" not in code, config.name
+        assert config.dtype == "bf16" and "fp8" not in code, config.name
+        if not config.expert_groups:
+            assert "ElementType" not in code, config.name
         assert "dge::gemm::MainloopBF16, Epilogue" in code, config.name
     # + the clusters of 2 (tests/test_gpu_gemm_clusters.py), + the waiting L1 gathers
-    # (tests/test_gpu_ep_overlap.py)
-    assert len(gg.configs()) == 13 + 5 + 2
+    # (tests/test_gpu_ep_overlap.py), + groups within experts (tests/test_gpu_gemm_group_m.py)
+    assert len(gg.configs()) == 13 + 5 + 2 + 10
+    assert sum(c.expert_groups for c in gg._all_configs()) == 10
 
 
 @pytest.mark.parametrize("kwargs", [dict(layout="nn"), dict(gather_a="cp_async"), dict(paired_n=True),

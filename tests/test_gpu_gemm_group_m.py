@@ -100,13 +100,24 @@ def test_expert_groups_launcher_checks():
 
 
 def test_select_walk():
-    for rows, experts in ((0, 0), (128, 1), (65536 + 256 * 128, 256), (16384 * 8, 128), (4096 * 8 + 128 * 128, 128)):
-        group_m, expert_groups = gg.select_walk(rows, experts)
-        assert group_m in gg.GROUP_M_CHOICES and isinstance(expert_groups, bool)
+    e16 = (gg.GROUP_M_DEFAULT, True)
+    fixed = (gg.GROUP_M_DEFAULT, False)
+    # (pool rows, experts, one expert's weight bytes) -> walk: the pools of the layer's workloads (T K + E 127
+    # rows) and each GEMM's weights. DeepSeek-V3 T 8192 (bf16 and fp8) and Qwen3-235B T 8192: within experts;
+    # Qwen3-30B: fixed groups (its experts' weights stay in the L2).
+    cases = [((8192 * 8 + 256 * 127, 256, 2048 * 7168 * 2), e16), ((8192 * 8 + 256 * 127, 256, 2048 * 7168), e16),
+             ((8192 * 8 + 128 * 127, 128, 4096 * 1536 * 2), e16),
+             ((16384 * 8 + 128 * 127, 128, 1536 * 2048 * 2), fixed), ((4096 * 8 + 128 * 127, 128, 1536 * 2048 * 2), fixed),
+             ((16384 * 8 + 128 * 127, 128, 4096 * 1536 * 2), fixed),  # large weights, but many blocks per expert
+             ((0, 0, 0), fixed), ((128, 1, 1 << 30), e16)]
+    for (rows, experts, weight_bytes), walk in cases:
+        assert gg.select_walk(rows, experts, weight_bytes) == walk, (rows, experts, weight_bytes)
         # Where the launch cannot take groups within experts, resolve_walk does not choose them.
-        assert gg.resolve_walk(None, None, rows, experts, cluster_n=2) == (group_m, False)
-        assert gg.resolve_walk(None, None, rows, experts, awaits=True) == (group_m, False)
-        assert gg.resolve_walk(4, True, rows, experts) == (4, True)
+        assert gg.resolve_walk(None, None, rows, experts, weight_bytes, cluster_n=2) == (walk[0], False)
+        assert gg.resolve_walk(None, None, rows, experts, weight_bytes, awaits=True) == (walk[0], False)
+        assert gg.resolve_walk(None, None, rows, experts, weight_bytes) == walk
+        assert gg.resolve_walk(4, False, rows, experts, weight_bytes) == (4, False)
+        assert gg.resolve_walk(4, True, rows, experts, weight_bytes) == (4, True)
 
 
 _EG_CONFIGS = [gg.GemmConfig("nt", 256, gather_a="cp_async", expert_groups=True),

@@ -432,10 +432,22 @@ def _check_walk(group_m, expert_groups=None, *, cluster_n: int = 1, awaits: bool
                          "arrival order")
 
 
-def select_walk(rows: int, num_experts: int) -> tuple[int, bool]:
+#: Groups within experts where the pool holds at most this many 128-row blocks per expert on average ...
+EXPERT_GROUPS_MAX_BLOCKS = 6
+#: ... and one expert's weight matrix of the GEMM is at least this many bytes.
+EXPERT_GROUPS_MIN_WEIGHT_BYTES = 8 << 20
+
+
+def select_walk(rows: int, num_experts: int, expert_weight_bytes: int) -> tuple[int, bool]:
     """The scheduler's walk of the M-grouped GEMMs for a pool of ``rows`` rows over ``num_experts``
-    experts (both known on the host, no synchronisation): (group_m, expert_groups)."""
-    return GROUP_M_DEFAULT, False
+    experts whose weight matrices are ``expert_weight_bytes`` each (all known on the host, no
+    synchronisation): (group_m, expert_groups). Groups of 16 M blocks; within experts where experts own
+    few blocks and their weights are large: there fixed groups split most experts, and the two groups
+    that share an expert sweep its weights far apart in time, so they come from DRAM twice
+    (docs/perf-notes.md v46). Where an expert's weights are a few MB they stay in the L2 between the
+    two, and fixed groups measured as fast or faster."""
+    few = rows <= EXPERT_GROUPS_MAX_BLOCKS * _BLOCK_M * max(num_experts, 1)
+    return GROUP_M_DEFAULT, few and expert_weight_bytes >= EXPERT_GROUPS_MIN_WEIGHT_BYTES
 
 
 def walk_tiles(starts, ends, n_blocks: int, group_m: int, expert_groups: bool,
@@ -473,11 +485,11 @@ def walk_tiles(starts, ends, n_blocks: int, group_m: int, expert_groups: bool,
     return tiles
 
 
-def resolve_walk(group_m, expert_groups, rows: int, num_experts: int, *, cluster_n: int = 1,
-                 awaits: bool = False) -> tuple[int, bool]:
+def resolve_walk(group_m, expert_groups, rows: int, num_experts: int, expert_weight_bytes: int, *,
+                 cluster_n: int = 1, awaits: bool = False) -> tuple[int, bool]:
     """The launcher's ``group_m`` / ``expert_groups`` where given, select_walk's where None (groups within
     experts only where the launch takes them)."""
-    chosen_m, chosen_e = select_walk(rows, num_experts)
+    chosen_m, chosen_e = select_walk(rows, num_experts, expert_weight_bytes)
     if group_m is None:
         group_m = chosen_m
     if expert_groups is None:
@@ -508,7 +520,14 @@ def _all_configs() -> list[GemmConfig]:
     clusters = [GemmConfig(layout, 256, cluster_n=2) for layout in ("nt", "nn", "tn")]
     clusters += [GemmConfig("nt", 256, epilogue="scatter_weighted", cluster_n=2),
                  GemmConfig("nn", 256, epilogue="scatter", cluster_n=2)]
-    return configs + clusters
+    # Groups within experts (select_walk: few blocks per expert, large expert weights): the layer's four
+    # M-grouped GEMMs and the plain store of each layout.
+    within = [GemmConfig(layout, block_n, gather_a=gather, epilogue=epilogue, expert_groups=True)
+              for block_n in (256, 128)
+              for layout, gather, epilogue in (("nt", None, "store"), ("nt", "cp_async", "store"),
+                                               ("nt", None, "scatter_weighted"), ("nn", None, "store"),
+                                               ("nn", None, "scatter"))]
+    return configs + clusters + within
 
 
 @jit.register("sm90_bf16_grouped_gemm")
@@ -933,8 +952,8 @@ def _m_grouped_checks(layout, a, b, starts, ends, out, paired_n, gather, scatter
     if k == 0:
         raise ValueError(f"a: shape {tuple(a.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
-    group_m, expert_groups = resolve_walk(group_m, expert_groups, rows, num_experts, cluster_n=cluster_n,
-                                          awaits=awaits)
+    group_m, expert_groups = resolve_walk(group_m, expert_groups, rows, num_experts, n * k * b.element_size(),
+                                          cluster_n=cluster_n, awaits=awaits)
     config = cached_config(layout, block_n, paired_n, epilogue=epilogue,
                            gather_a=gather.mode if gather is not None else None, cluster_n=cluster_n,
                            await_rows=awaits, group_m=group_m, expert_groups=expert_groups)

@@ -207,7 +207,8 @@ def _m_grouped_checks(a_q, sa, b_q, sb, starts, ends, out, scatter, mainloop, cl
     if k == 0:
         raise ValueError(f"a_q: shape {tuple(a_q.shape)}: K=0, expected a non-empty contraction")
     epilogue = "store" if scatter is None else "scatter_weighted" if scatter.weighted else "scatter"
-    group_m, expert_groups = resolve_walk(group_m, expert_groups, rows, num_experts, cluster_n=cluster_n)
+    group_m, expert_groups = resolve_walk(group_m, expert_groups, rows, num_experts, n * k * b_q.element_size(),
+                                          cluster_n=cluster_n)
     config = cached_config("nt", block_n, dtype="fp8", epilogue=epilogue, fp8_mainloop=mainloop,
                            cluster_n=cluster_n, group_m=group_m, expert_groups=expert_groups)
     if static_k:
