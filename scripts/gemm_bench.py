@@ -8,6 +8,7 @@
     python scripts/gemm_bench.py --upstream [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --fp8-tiles [--workload W ...] [--reps 20] [--json out.json]
     python scripts/gemm_bench.py --ceiling [--reps 10] [--json out.json]
+    python scripts/gemm_bench.py --walks [--walk-list 16,8,e16,e8] [--workload W ...] [--reps 20] [--json out.json]
 
 For each GEMM of the layer (L1/L2 forward, dgrad, wgrad) on a uniformly routed, 128-aligned pool:
 median of --reps CUDA-event timings after warm-up (each of --calls back-to-back calls, so that
@@ -56,6 +57,12 @@ clusters of 1 and 2) against the 128 x 192 tile (serial mainloop, the layer's on
 all with K compiled in (``static_k``: where fp8_static_k_stages gives no ring, the K-argument kernel);
 "bits" says whether the 192-wide outputs equal the 128-wide serial ones bit for bit on the rows the
 experts own.
+
+--walks: per workload (default DeepSeek-V3 T 8192, Qwen3-235B T 8192, Qwen3-30B T 16384), the layer's four bf16
+M-grouped GEMMs as the layer runs them under each scheduler walk of --walk-list (N: fixed groups of N M blocks;
+eN: groups of at most N blocks cut within each expert), alternating, the better of two rounds each, with the ratio
+to the first walk, select_walk's choice ("chosen") and whether every walk's output equals the first's bit for bit
+(it must: the walk orders the tiles, it changes none).
 
 --ceiling: what one dense 8192^3 GEMM reaches on this GPU in a burst and under sustained load, bf16
 (torch.matmul, cuBLAS) and fp8 (torch._scaled_mm, e4m3 with per-tensor scales): TFLOP/s with 1, 8, 64 and
@@ -486,6 +493,66 @@ def _cluster_table(args) -> int:
     return 0 if all(r["bit_identical"] for r in results) else 1
 
 
+_WALK_WORKLOADS = ("deepseek-v3-t8192", "qwen3-235b-a22b-t8192", "qwen3-30b-a3b-t16384")
+
+
+def _parse_walks(text: str) -> dict:
+    """--walk-list: "16,8,e16" -> {label: (group_m, expert_groups)}; N fixed groups of N M blocks, eN groups of at
+    most N blocks within each expert."""
+    walks = {}
+    for token in text.split(","):
+        size = token[1:] if token.startswith("e") else token
+        if not size.isdigit() or int(size) not in gg.GROUP_M_CHOICES:
+            raise ValueError(f"--walk-list: {token!r}, expected N or eN with N one of {gg.GROUP_M_CHOICES}")
+        walks[token] = (int(size), token.startswith("e"))
+    return walks
+
+
+def _walk_table(args) -> int:
+    """The layer's four bf16 M-grouped GEMMs (as the layer runs them: the gathering L1 forward, the combining L2
+    forward and L1 dgrad, the L2 dgrad's store) under each scheduler walk, alternating, with bit identity."""
+    walks = _parse_walks(args.walk_list)
+    if not torch.cuda.is_available():
+        print("not measured: no CUDA GPU")
+        return 0
+    results = []
+    for workload in args.workload or _WALK_WORKLOADS:
+        w = WORKLOADS[workload]
+        (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
+        nt, nn = gg.m_grouped_bf16_gemm_nt_contiguous, gg.m_grouped_bf16_gemm_nn_contiguous
+        tokens = torch.randn(w.num_tokens, H, device=x.device).to(torch.bfloat16)
+        gather = gg.Gather(meta.row_to_slot, w.top_k)
+        cases = [("L1 fwd  nt gather", 2 * I, H, lambda m, e: nt(tokens, l1, starts, ends, gather=gather, group_m=m,
+                                                                  expert_groups=e)),
+                 ("L2 fwd  nt combine", H, I, lambda m, e: nt(act, l2, starts, ends, scatter=combine, group_m=m,
+                                                               expert_groups=e)),
+                 ("L2 dgrad nn", I, H, lambda m, e: nn(dy, l2, starts, ends, group_m=m, expert_groups=e)),
+                 ("L1 dgrad nn combine", H, 2 * I, lambda m, e: nn(dh, l1, starts, ends, scatter=plain, group_m=m,
+                                                                   expert_groups=e))]
+        for name, n, k, fn in cases:
+            chosen = gg.select_walk(rows, w.num_experts, n * k * l1.element_size())
+            row = {"workload": w.name, "gemm": name, "m": used, "n": n, "k": k,
+                   "select_walk": ("e" if chosen[1] else "") + str(chosen[0])}
+            row.update(_variants_row({label: functools.partial(fn, *walk) for label, walk in walks.items()},
+                                     2.0 * used * n * k, used, args))
+            results.append(row)
+        del x, act, dy, dh, l1, l2, tokens, meta, combine, plain, gather
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    labels = list(walks)
+    print(f"TFLOP/s on {torch.cuda.get_device_name()}: the scheduler's walks (N: fixed groups of N M blocks, eN: "
+          f"groups of at most N within each expert), the better of two alternating rounds each, ratio to {labels[0]}; "
+          "'chosen': select_walk's walk")
+    print(f"{'workload':<22} | {'gemm':<19} | chosen | " + " | ".join(f"{label:>15}" for label in labels) + " | bits")
+    for r in results:
+        cells = [f"{r[label]:6.1f} ({r[label] / r[labels[0]]:5.3f}x)" for label in labels]
+        print(f"{r['workload']:<22} | {r['gemm']:<19} | {r['select_walk']:>6} | " + " | ".join(cells) +
+              f" | {'same' if r['bit_identical'] else 'DIFFER'}")
+    return 0 if all(r["bit_identical"] for r in results) else 1
+
+
 def _cublas_cases(w):
     """(name, dense (M, N, K), fn() -> output, N of the GEMM's output) per bf16 GEMM of the layer."""
     (meta, starts, ends, used, rows, H, I, x, act, dy, dh, l1, l2, combine, plain) = _layer_operands(w)
@@ -807,6 +874,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling", action="store_true",
                         help="dense bf16 and fp8 8192^3 GEMMs in a burst and under sustained load, with the SM "
                              "clock, power and power-capped share")
+    parser.add_argument("--walks", action="store_true",
+                        help="the layer's four bf16 M-grouped GEMMs under each scheduler walk (--walk-list), "
+                             "alternating, with bit identity and select_walk's choice")
+    parser.add_argument("--walk-list", default="16,8,e16,e8",
+                        help="with --walks: comma-separated N (fixed groups of N M blocks) or eN (groups within "
+                             "experts), the first the yardstick (default 16,8,e16,e8)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5,
                         help="back-to-back calls per timed repeat (testing.median_ms): from the second on, a "
@@ -814,9 +887,15 @@ def main(argv: list[str] | None = None) -> int:
                              "1 adds one launcher's host time to every sample, as the tables before this option")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
-    if args.fp8 + args.wgrad + args.clusters + args.cublas + args.upstream + args.fp8_tiles + args.ceiling > 1:
-        parser.error("--fp8, --wgrad, --clusters, --cublas, --upstream, --fp8-tiles and --ceiling: one table at a "
-                     "time")
+    if (args.fp8 + args.wgrad + args.clusters + args.cublas + args.upstream + args.fp8_tiles + args.ceiling +
+            args.walks > 1):
+        parser.error("--fp8, --wgrad, --clusters, --cublas, --upstream, --fp8-tiles, --ceiling and --walks: one table "
+                     "at a time")
+    if args.walks:
+        try:
+            return _walk_table(args)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.ceiling:
         return _ceiling_table(args)
     one_table = not (args.fp8 or args.wgrad or args.clusters or args.cublas or args.upstream or args.fp8_tiles)

@@ -16,7 +16,7 @@ import torch
 
 from deep_gemm_ext import baselines
 from deep_gemm_ext.providers import deepgemm
-from deep_gemm_ext.testing import Workload, make_inputs
+from deep_gemm_ext.testing import WORKLOADS, Workload, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -517,3 +517,61 @@ def test_walk_l2_model_rejects_a_bad_walk(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         model.main()
     assert "--walks: 'e3'" in capsys.readouterr().err
+
+
+def test_gemm_bench_walks_without_gpu_says_why(capsys):
+    assert gemm_bench.main(["--walks"]) == 0
+    assert capsys.readouterr().out == "not measured: no CUDA GPU\n"
+    assert gemm_bench._parse_walks("16,e8,1") == {"16": (16, False), "e8": (8, True), "1": (1, False)}
+    for bad in ("16,e3", "x", "e", "16,-4"):
+        with pytest.raises(SystemExit):
+            gemm_bench.main(["--walks", "--walk-list", bad])
+        assert "--walk-list:" in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit):
+        gemm_bench.main(["--walks", "--clusters"])  # one table at a time
+    assert "one table at a time" in capsys.readouterr().err
+
+
+def test_gemm_bench_walks_table_passes_each_walk_and_checks_bits(monkeypatch, capsys, tmp_path):
+    """--walks on fake launchers: each GEMM runs under every walk of --walk-list with its group_m and expert_groups,
+    select_walk's choice is reported, and a walk whose output differs fails the table."""
+    w = WORKLOADS["qwen3-30b-a3b-t4096"]
+    E, H, I, T, K = w.num_experts, w.hidden, w.intermediate, w.num_tokens, w.top_k
+    rows, used = 4 * 128, 3 * 128
+    meta = types.SimpleNamespace(row_to_slot=torch.zeros(rows, dtype=torch.int32))
+    operands = (meta, None, None, used, rows, H, I, torch.zeros(rows, 8), None, None, None,
+                torch.zeros(1, dtype=torch.bfloat16), None, "combine", "plain")
+    calls = []
+    broken = {"walk": None}
+
+    def launcher(layout):
+        def run(a, b, starts, ends, *, gather=None, scatter=None, group_m=None, expert_groups=None):
+            calls.append((layout, scatter, group_m, expert_groups))
+            out = torch.zeros(rows, 4, dtype=torch.bfloat16)
+            if (group_m, expert_groups) == broken["walk"]:
+                out[0, 0] = 1
+            return out
+        return run
+    monkeypatch.setattr(gemm_bench, "_layer_operands", lambda wl: operands)
+    monkeypatch.setattr(gemm_bench.gg, "m_grouped_bf16_gemm_nt_contiguous", launcher("nt"))
+    monkeypatch.setattr(gemm_bench.gg, "m_grouped_bf16_gemm_nn_contiguous", launcher("nn"))
+    monkeypatch.setattr(gemm_bench.gg, "Gather", lambda *a, **k: "gather")
+    monkeypatch.setattr(gemm_bench, "median_ms", lambda fn, reps, calls=1: (fn(), 1.0)[1])
+    for name in ("is_available",):
+        monkeypatch.setattr(torch.cuda, name, lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    out = tmp_path / "walks.json"
+    assert gemm_bench.main(["--walks", "--walk-list", "16,e8", "--workload", w.name, "--reps", "1",
+                            "--json", str(out)]) == 0
+    walks = {(g, e) for _, _, g, e in calls}
+    assert walks == {(16, False), (8, True)}
+    assert {(layout, scatter) for layout, scatter, _, _ in calls} == {("nt", None), ("nt", "combine"), ("nn", None),
+                                                                      ("nn", "plain")}
+    records = json.loads(out.read_text())
+    assert len(records) == 4 and all(r["bit_identical"] and r["select_walk"] == "16" for r in records)
+    assert "same" in _last_line(capsys.readouterr().out)
+    broken["walk"] = (8, True)
+    assert gemm_bench.main(["--walks", "--walk-list", "16,e8", "--workload", w.name, "--reps", "1"]) == 1
+    assert "DIFFER" in _last_line(capsys.readouterr().out)
