@@ -61,8 +61,10 @@ experts own.
 --walks: per workload (default DeepSeek-V3 T 8192, Qwen3-235B T 8192, Qwen3-30B T 16384), the layer's four bf16
 M-grouped GEMMs as the layer runs them under each scheduler walk of --walk-list (N: fixed groups of N M blocks;
 eN: groups of at most N blocks cut within each expert), alternating, the better of two rounds each, with the ratio
-to the first walk, select_walk's choice ("chosen") and whether every walk's output equals the first's bit for bit
-(it must: the walk orders the tiles, it changes none).
+to the first walk, select_walk's choice ("chosen"), "=X" after a walk within experts whose tile order equals walk X's
+on the workload's experts (e8 and e16 where no expert owns more than 8 blocks: their ratio is the spread of the
+measurement), and whether every walk's output equals the first's bit for bit (it must: the walk orders the tiles,
+it changes none).
 
 --ceiling: what one dense 8192^3 GEMM reaches on this GPU in a burst and under sustained load, bf16
 (torch.matmul, cuBLAS) and fp8 (torch._scaled_mm, e4m3 with per-tensor scales): TFLOP/s with 1, 8, 64 and
@@ -508,6 +510,27 @@ def _parse_walks(text: str) -> dict:
     return walks
 
 
+def _same_walks(walks: dict, starts, ends, n: int) -> dict:
+    """{label: an earlier label of --walk-list} for each walk whose tile order on these expert ranges equals an
+    earlier walk's (gg.walk_tiles, N blocks of the launcher's tile). Only walks within experts are compared: they
+    run on clusters of 1, the case walk_tiles follows. Two such walks are the same where every expert's blocks fit in
+    one group of the smaller size, e.g. e8 and e16 where no expert owns more than 8 blocks; the ratio between them
+    is then the spread of the measurement, not a property of the walk."""
+    starts, ends = [int(v) for v in starts.tolist()], [int(v) for v in ends.tolist()]
+    n_blocks = -(-n // gg.select_tile(n).block_n)
+    orders, same = {}, {}
+    for label, (size, within) in walks.items():
+        if not within:
+            continue
+        order = gg.walk_tiles(starts, ends, n_blocks, size, True)
+        earlier = next((other for other, o in orders.items() if o == order), None)
+        if earlier is not None:
+            same[label] = earlier
+        else:
+            orders[label] = order
+    return same
+
+
 def _walk_table(args) -> int:
     """The layer's four bf16 M-grouped GEMMs (as the layer runs them: the gathering L1 forward, the combining L2
     forward and L1 dgrad, the L2 dgrad's store) under each scheduler walk, alternating, with bit identity."""
@@ -532,7 +555,8 @@ def _walk_table(args) -> int:
         for name, n, k, fn in cases:
             chosen = gg.select_walk(rows, w.num_experts, n * k * l1.element_size())
             row = {"workload": w.name, "gemm": name, "m": used, "n": n, "k": k,
-                   "select_walk": ("e" if chosen[1] else "") + str(chosen[0])}
+                   "select_walk": ("e" if chosen[1] else "") + str(chosen[0]),
+                   "same_walk_as": _same_walks(walks, starts, ends, n)}
             row.update(_variants_row({label: functools.partial(fn, *walk) for label, walk in walks.items()},
                                      2.0 * used * n * k, used, args))
             results.append(row)
@@ -544,10 +568,13 @@ def _walk_table(args) -> int:
     labels = list(walks)
     print(f"TFLOP/s on {torch.cuda.get_device_name()}: the scheduler's walks (N: fixed groups of N M blocks, eN: "
           f"groups of at most N within each expert), the better of two alternating rounds each, ratio to {labels[0]}; "
-          "'chosen': select_walk's walk")
+          "'chosen': select_walk's walk; '=X': the same tile order as walk X on these experts (the ratio between "
+          "the two is the measurement's spread)")
     print(f"{'workload':<22} | {'gemm':<19} | chosen | " + " | ".join(f"{label:>15}" for label in labels) + " | bits")
     for r in results:
-        cells = [f"{r[label]:6.1f} ({r[label] / r[labels[0]]:5.3f}x)" for label in labels]
+        same = r.get("same_walk_as", {})
+        cells = [f"{r[label]:6.1f} ({r[label] / r[labels[0]]:5.3f}x)" + (f" ={same[label]}" if label in same else "")
+                 for label in labels]
         print(f"{r['workload']:<22} | {r['gemm']:<19} | {r['select_walk']:>6} | " + " | ".join(cells) +
               f" | {'same' if r['bit_identical'] else 'DIFFER'}")
     return 0 if all(r["bit_identical"] for r in results) else 1

@@ -534,12 +534,15 @@ def test_gemm_bench_walks_without_gpu_says_why(capsys):
 
 def test_gemm_bench_walks_table_passes_each_walk_and_checks_bits(monkeypatch, capsys, tmp_path):
     """--walks on fake launchers: each GEMM runs under every walk of --walk-list with its group_m and expert_groups,
-    select_walk's choice is reported, and a walk whose output differs fails the table."""
+    select_walk's choice is reported, walks within experts with the same tile order are marked as such, and a walk
+    whose output differs fails the table."""
     w = WORKLOADS["qwen3-30b-a3b-t4096"]
     E, H, I, T, K = w.num_experts, w.hidden, w.intermediate, w.num_tokens, w.top_k
     rows, used = 4 * 128, 3 * 128
     meta = types.SimpleNamespace(row_to_slot=torch.zeros(rows, dtype=torch.int32))
-    operands = (meta, None, None, used, rows, H, I, torch.zeros(rows, 8), None, None, None,
+    # Three experts of one block each: every walk within experts is the same tile order (each expert one group).
+    starts, ends = torch.tensor([0, 128, 256]), torch.tensor([128, 256, 384])
+    operands = (meta, starts, ends, used, rows, H, I, torch.zeros(rows, 8), None, None, None,
                 torch.zeros(1, dtype=torch.bfloat16), None, "combine", "plain")
     calls = []
     broken = {"walk": None}
@@ -571,7 +574,24 @@ def test_gemm_bench_walks_table_passes_each_walk_and_checks_bits(monkeypatch, ca
                                                                       ("nn", "plain")}
     records = json.loads(out.read_text())
     assert len(records) == 4 and all(r["bit_identical"] and r["select_walk"] == "16" for r in records)
+    assert all(r["same_walk_as"] == {} for r in records)
     assert "same" in _last_line(capsys.readouterr().out)
+    assert gemm_bench.main(["--walks", "--walk-list", "16,e8,e16,e4", "--workload", w.name, "--reps", "1",
+                            "--json", str(out)]) == 0
+    assert all(r["same_walk_as"] == {"e16": "e8", "e4": "e8"} for r in json.loads(out.read_text()))
+    assert "=e8" in _last_line(capsys.readouterr().out)
     broken["walk"] = (8, True)
     assert gemm_bench.main(["--walks", "--walk-list", "16,e8", "--workload", w.name, "--reps", "1"]) == 1
     assert "DIFFER" in _last_line(capsys.readouterr().out)
+
+
+def test_gemm_bench_same_walks_only_where_every_expert_fits_one_group():
+    """Walks within experts are the same tile order exactly where every expert's blocks fit one group of the
+    smaller size; fixed walks are not compared."""
+    starts, ends = torch.tensor([0, 10 * 128]), torch.tensor([10 * 128, 12 * 128])  # 10 blocks and 2 blocks
+    walks = gemm_bench._parse_walks("16,e8,e16,8,e4")
+    assert gemm_bench._same_walks(walks, starts, ends, 4096) == {}
+    starts, ends = torch.tensor([0, 5 * 128]), torch.tensor([5 * 128, 7 * 128 + 1])  # 5 blocks and 3 blocks
+    assert gemm_bench._same_walks(walks, starts, ends, 4096) == {"e16": "e8"}
+    # One N block: every walk within experts runs its M blocks in order, whatever the group size.
+    assert gemm_bench._same_walks(walks, starts, ends, 128) == {"e16": "e8", "e4": "e8"}
