@@ -304,9 +304,11 @@ def print_table(records) -> None:
 
 
 def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: str, meta: dict,
-                 check: Workload = CHECK, calls: int = 1) -> list:
+                 check: Workload = CHECK, calls: int = 1, on_row=None) -> list:
     """Records of every implementation on ``wl`` (a ``skipped`` record with the reason where one
-    could not be checked or timed), ratios against this run's two grouped_mm rows."""
+    could not be checked or timed), ratios against this run's two grouped_mm rows. ``on_row(rows)``,
+    where given, gets the workload's records so far after each row, so a run stopped by a time limit
+    keeps every row it finished."""
     inputs = make_inputs(wl.num_tokens, wl.hidden, wl.intermediate, wl.num_experts, wl.top_k,
                          device=device, seed=1234)
     torch._dynamo.reset()  # a fresh cache per workload: the dynamo cache limit counts shapes
@@ -329,6 +331,8 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             rows[key] = dict(record, skipped="; ".join([*impl.notes, f"{type(exc).__name__}: {first}"]))
             print(f"{wl.name}: {label(record)} skipped: {rows[key]['skipped']}", flush=True)
+            if on_row is not None:
+                on_row(list(rows.values()))
             continue
         rows[key] = dict(record, fwd_ms=round(fwd, 4), fwdbwd_ms=round(fwdbwd, 4),
                          tflops=round(3 * wl.flops_forward() / fwdbwd / 1e9, 1),
@@ -336,8 +340,18 @@ def run_workload(wl: Workload, impls: dict, checked: dict, reps: int, device: st
                          saved_gib=None if saved is None else round(saved, 3),
                          **_readings_record(read, fwdbwd),
                          check_max_rel_err=float(f"{worst:.3e}"), notes=list(impl.notes))
-        # As soon as it is measured: a run cut short still shows the rows it timed.
-        print(f"{wl.name}: {label(record)} timed: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms", flush=True)
+        # As soon as it is measured: a run cut short still shows the rows it timed, with their ratios to the
+        # baselines measured before them (the grouped_mm rows come first).
+        r = rows[key]
+        for field, base in (("ratio_vs_grouped_mm", BASE), ("ratio_vs_compiled_grouped_mm", COMPILED)):
+            done = rows.get(base)
+            r[field] = _ratio(done if done and "skipped" not in done else None, r)
+        print(f"{wl.name}: {label(record)} timed: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms, {r['tflops']:.0f} "
+              f"TFLOP/s, {_fmt(r['ratio_vs_grouped_mm'], '.2f', 'x')} grouped_mm, "
+              f"{_fmt(r['ratio_vs_compiled_grouped_mm'], '.2f', 'x')} compiled, peak {_fmt(r['peak_gib'], '.2f')} GiB",
+              flush=True)
+        if on_row is not None:
+            on_row(list(rows.values()))
     measured = {k: r for k, r in rows.items() if "skipped" not in r}
     for r in measured.values():
         r["ratio_vs_grouped_mm"] = _ratio(measured.get(BASE), r)
@@ -393,12 +407,15 @@ def main(argv=None):
     for key, reason in skips.items():
         print(f"{label(dict(impl=key[0], backend=key[1], recipe=key[2]))} skipped: {reason}", flush=True)
     records, checked = [], {}
+    def write_json(rows):
+        if args.json:  # after every row, so a run cut short keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(records + rows, indent=1) + "\n")
+
     for wl in workloads:
         records += run_workload(wl, impls, checked, reps, device, meta, DRY_RUN if args.dry_run else CHECK,
-                                args.calls)
-        if args.json:  # after every workload, so a cut-short run keeps what it measured
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+                                args.calls, on_row=write_json)
+        write_json([])
         if device == "cuda":
             torch.cuda.empty_cache()
     if args.png:

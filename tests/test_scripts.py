@@ -71,6 +71,27 @@ def _records(impls, capsys):
     return {(r["impl"], r["backend"]): r for r in records}, capsys.readouterr().out
 
 
+def test_bench_hands_each_row_over_as_it_finishes(capsys):
+    """A run stopped by a time limit keeps every row it finished: on_row gets the workload's records after each
+    row (a failing row too), and each timed line carries the row's ratios to the baselines timed before it."""
+    def raises(*args):
+        raise RuntimeError("no kernel for this shape")
+
+    impls = {bench.BASE: bench.Impl(baselines.grouped_mm_moe), ("broken", "x", "bf16"): bench.Impl(raises),
+             ("ours", "auto", "bf16"): bench.Impl(bench._ours())}
+    seen = []
+    meta = dict(gpu="cpu", commit="test", date="today")
+    records = bench.run_workload(TINY, impls, {}, 1, "cpu", meta, check=TINY,
+                                 on_row=lambda rows: seen.append([(r["impl"], "skipped" in r) for r in rows]))
+    assert seen == [[("grouped_mm", False)], [("grouped_mm", False), ("broken", True)],
+                    [("grouped_mm", False), ("broken", True), ("ours", False)]]
+    out = capsys.readouterr().out
+    ours = [line for line in out.splitlines() if line.startswith("tiny: ours (auto, bf16) timed:")]
+    assert len(ours) == 1 and "x grouped_mm, - compiled, peak - GiB" in ours[0], ours
+    ratio = next(r for r in records if r["impl"] == "ours")["ratio_vs_grouped_mm"]
+    assert f"{ratio:.2f}x grouped_mm" in ours[0]
+
+
 def test_bench_rows_do_not_inherit_the_fp8_weight_cache():
     """An fp8 row leaves its weights' fp8 copies cached; the next row starts without them, so its
     memory columns are its own."""
