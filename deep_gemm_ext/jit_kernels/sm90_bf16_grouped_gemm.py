@@ -424,12 +424,19 @@ def _check_walk(group_m, expert_groups=None, *, cluster_n: int = 1, awaits: bool
         raise ValueError(f"group_m={group_m!r}: expected None or one of {GROUP_M_CHOICES}")
     if expert_groups is not None and not isinstance(expert_groups, bool):
         raise ValueError(f"expert_groups={expert_groups!r}: expected None or a bool")
-    if expert_groups and cluster_n != 1:
-        raise ValueError(f"expert_groups=True with cluster_n={cluster_n}: a cluster's pair of M blocks may "
-                         f"straddle two experts (expected cluster_n=1)")
-    if expert_groups and awaits:
-        raise ValueError("expert_groups=True with gather.await_rows: awaited rows walk the M blocks in their "
-                         "arrival order")
+    conflict = _expert_groups_conflict(cluster_n, awaits)
+    if expert_groups and conflict:
+        raise ValueError(f"expert_groups=True with {conflict}")
+
+
+def _expert_groups_conflict(cluster_n: int, awaits: bool) -> str | None:
+    """Why a launch cannot take groups within experts (_EXPERT_GROUP_RULES), None where it can."""
+    if cluster_n != _EXPERT_GROUP_RULES["cluster_n"]:
+        return (f"cluster_n={cluster_n}: a cluster's pair of M blocks may straddle two experts "
+                f"(expected cluster_n=1)")
+    if awaits != _EXPERT_GROUP_RULES["await_rows"]:
+        return "gather.await_rows: awaited rows walk the M blocks in their arrival order"
+    return None
 
 
 #: Groups within experts where the pool holds at most this many 128-row blocks per expert on average ...
@@ -493,7 +500,7 @@ def resolve_walk(group_m, expert_groups, rows: int, num_experts: int, expert_wei
     if group_m is None:
         group_m = chosen_m
     if expert_groups is None:
-        expert_groups = chosen_e and cluster_n == 1 and not awaits
+        expert_groups = chosen_e and _expert_groups_conflict(cluster_n, awaits) is None
     return group_m, expert_groups
 
 
