@@ -6,7 +6,10 @@
 (our GEMMs by their configuration: grouping, mainloop, epilogue, N tile, stages, cluster, compiled K),
 launches and device time per step;
 then the whole step: kernels, their total time, the idle time between consecutive kernels (and
-memcpy / memset) on each stream, and the largest gaps with the kernels around them.
+memcpy / memset) on each stream, and the largest gaps with the kernels around them. ``--warm-ms M`` runs
+steps back to back for M ms first, without a pause before the profiled ones, so that they run at the
+power-capped clock of ``bench.py``'s timed windows; ``--steps 4`` after it reads like ``bench.py --calls 4``
+(the span per step is the step's time, the gaps its idle GPU).
 
 ``sync``: forward+backward of a stack of MegaMoE layers (Qwen3-30B-A3B's layer shapes, 48 layers,
 4096 tokens), each with a tiny router (linear, softmax, top-k), under DGE_CHECK_IDS=1 and =0 in
@@ -15,6 +18,7 @@ layers share one set of expert weights by default (48 distinct Qwen3-30B expert 
 gradients need about 116 GB): the kernels and host syncs per layer are the same either way.
 
     python scripts/profile_layer.py kernels --impl ours --workload qwen3-30b-a3b-t16384 [--recipe fp8] [--steps 3]
+    python scripts/profile_layer.py kernels --workload qwen3-235b-a22b-t8192 --warm-ms 2000 --steps 4
     python scripts/profile_layer.py sync
     python scripts/profile_layer.py sync --dry-run      # 2 tiny layers, also on a CPU
     python scripts/profile_layer.py host [--workload qwen3-30b-a3b-t4096 ...]
@@ -87,6 +91,22 @@ def device_activities(trace: dict) -> list[dict]:
         acts.append(dict(name=prefix + ev["name"], stream=ev.get("args", {}).get("stream", ev.get("tid")),
                          ts=float(ev["ts"]), dur=float(ev.get("dur", 0.0))))
     return acts
+
+
+#: The kernel of ``torch.cuda._sleep``: ``kernels --warm-ms`` launches one between the warm-up and the
+#: profiled steps.
+MARKER_KERNEL = "spin_kernel"
+
+
+def after_marker(acts: list[dict], marker: str) -> list[dict]:
+    """The activities that start once the last activity whose name contains ``marker`` has ended (on a
+    GPU that ran ahead of the host, the warm-up's last kernels are still in the trace before it)."""
+    marks = [a for a in acts if marker in a["name"]]
+    if not marks:
+        raise ValueError(f"no activity named like {marker!r} in the trace: the profiled steps cannot be told "
+                         f"from the warm-up")
+    end = max(a["ts"] + a["dur"] for a in marks)
+    return [a for a in acts if a["ts"] >= end and marker not in a["name"]]
 
 
 def summarize(acts: list[dict], top_gaps: int = 5) -> dict:
@@ -174,6 +194,9 @@ def cmd_kernels(args) -> int:
     if args.steps < 1:
         print(f"--steps {args.steps}: expected at least 1", file=sys.stderr)
         return 2
+    if not args.warm_ms >= 0:
+        print(f"--warm-ms {args.warm_ms}: expected a number >= 0", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("profile_layer.py kernels needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -195,6 +218,20 @@ def cmd_kernels(args) -> int:
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU op tracing: it would widen the gaps
+        if args.warm_ms > 0:
+            # Steps back to back until the board's power limit holds the clock, as in bench.py's timed
+            # windows (docs/perf-notes.md v33), inside the profile so that the GPU never idles before the
+            # profiled steps; a marker kernel between them, and only what runs after it is reported.
+            # The host waits for the step before last, so the time is the GPU's, not a queue's.
+            done = []
+            warm_until = time.perf_counter() + args.warm_ms / 1e3
+            while time.perf_counter() < warm_until:
+                step()
+                done.append(torch.cuda.Event())
+                done[-1].record()
+                if len(done) > 2:
+                    done.pop(0).synchronize()
+            torch.cuda._sleep(1000)
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
@@ -204,8 +241,13 @@ def cmd_kernels(args) -> int:
         trace = json.loads(path.read_text())
         if args.trace:
             Path(args.trace).write_text(path.read_text())
-    s = summarize(device_activities(trace))
+    acts = device_activities(trace)
+    if args.warm_ms > 0:
+        acts = after_marker(acts, MARKER_KERNEL)
+    s = summarize(acts)
     steps = "one forward+backward" if args.steps == 1 else f"{args.steps} forward+backward steps"
+    if args.warm_ms > 0:
+        steps += f" after {args.warm_ms:g} ms of steps back to back"
     print_kernel_report(f"{args.impl} ({args.recipe}) on {args.workload} (DGE_CHECK_IDS={_check_ids_label()}): "
                         f"{steps}", s, args.rows, args.steps)
     return 0
@@ -529,6 +571,9 @@ def main(argv=None) -> int:
     k.add_argument("--rows", type=int, default=25, help="kernel names listed (by total time)")
     k.add_argument("--trace", default=None, help="also save the chrome trace here")
     k.add_argument("--steps", type=int, default=1, help="forward+backward steps profiled (the table is per step)")
+    k.add_argument("--warm-ms", type=float, default=0.0,
+                   help="before the profile, steps back to back for this long (ms of host time): a profile "
+                        "at the power-capped clock, whose gaps and span compare with bench.py's back-to-back rows")
     s = sub.add_parser("sync", help="DGE_CHECK_IDS=1 vs 0 on a stack of routed layers")
     s.add_argument("--layers", type=int, default=48)
     s.add_argument("--tokens", type=int, default=4096)

@@ -357,6 +357,22 @@ def test_gemm_label_names_our_gemm_configurations():
 def test_profile_kernels_rejects_no_steps(capsys):
     assert profile_layer.main(["kernels", "--steps", "0"]) == 2
     assert "--steps 0: expected at least 1" in capsys.readouterr().err
+    assert profile_layer.main(["kernels", "--warm-ms", "-1"]) == 2
+    assert "--warm-ms -1.0: expected a number >= 0" in capsys.readouterr().err
+
+
+def test_profile_after_marker_keeps_the_profiled_steps():
+    acts = [dict(name="gemm", stream=7, ts=0.0, dur=10.0),       # warm-up, queued before the marker
+            dict(name="swiglu", stream=7, ts=10.0, dur=5.0),
+            dict(name="void at::native::spin_kernel(long)", stream=7, ts=15.0, dur=1.0),
+            dict(name="gemm", stream=7, ts=16.0, dur=10.0),      # profiled
+            dict(name="[memset] Memset", stream=7, ts=30.0, dur=1.0)]
+    kept = profile_layer.after_marker(acts, profile_layer.MARKER_KERNEL)
+    assert [(a["name"], a["ts"]) for a in kept] == [("gemm", 16.0), ("[memset] Memset", 30.0)]
+    s = profile_layer.summarize(kept)
+    assert (s["kernels"], s["kernel_us"], s["gap_us"], s["span_us"]) == (1, 10.0, 4.0, 15.0)
+    with pytest.raises(ValueError, match="spin_kernel"):
+        profile_layer.after_marker(acts[:2], profile_layer.MARKER_KERNEL)
 
 
 def test_profile_sync_dry_run(capsys, monkeypatch):
