@@ -572,7 +572,7 @@ def main(argv=None) -> int:
     k.add_argument("--trace", default=None, help="also save the chrome trace here")
     k.add_argument("--steps", type=int, default=1, help="forward+backward steps profiled (the table is per step)")
     k.add_argument("--warm-ms", type=float, default=0.0,
-                   help="before the profile, steps back to back for this long (ms of host time): a profile "
+                   help="before the profile, steps back to back for this long (wall-clock ms): a profile "
                         "at the power-capped clock, whose gaps and span compare with bench.py's back-to-back rows")
     s = sub.add_parser("sync", help="DGE_CHECK_IDS=1 vs 0 on a stack of routed layers")
     s.add_argument("--layers", type=int, default=48)
