@@ -34,7 +34,7 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     ``E_loc``, topk_idx holds global ids in ``[-1, W * E_loc)``, and x, y and the gradients of x and
     topk_weights are this rank's own tokens (any number per rank, 0 included). Tokens travel by
     all-to-all (deep_gemm_ext.comm.all_to_all); ``ep_buffer`` (an :class:`~deep_gemm_ext.EpBuffer`)
-    fixes the capacity, else every call finds it with one all_reduce (a host sync; CUDA graphs and
+    fixes the capacity, else every call finds it with one all_gather (a host sync; CUDA graphs and
     torch.compile need the buffer). Every rank of the group must call the layer.
     """
     tensors = (x, topk_idx, topk_weights, l1_weights, l2_weights)
@@ -45,7 +45,7 @@ def mega_moe_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         with _env.recording() if key is not None else contextlib.nullcontext({}) as reads:
             group = validate_inputs(*tensors, group=group, recipe=recipe, activation_clamp=activation_clamp,
                                     backend=backend, ep_buffer=ep_buffer).group
-            exchange = plan.resolve_exchange(x, topk_idx, l1_weights, group, ep_buffer, recipe)
+            exchange = plan.resolve_exchange(x, topk_idx, l1_weights, group, ep_buffer, recipe, topk_weights)
             encoded = plan.resolve_encoded(x, l1_weights, backend=backend, recipe=recipe, exchange=exchange)
         if key is not None:
             plan.remember_call(key, reads, encoded)

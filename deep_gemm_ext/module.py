@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .api import mega_moe_train
 from .comm.all_to_all import resolve_group
 from .plan import DEFAULT_BACKEND
-from .validation import validate_inputs
+from .validation import _tensor, validate_inputs
 
 
 def _group_size_and_rank(group) -> tuple[int, int]:
@@ -48,16 +48,35 @@ def trunc_normal_fp32_(view: torch.Tensor, std: float) -> None:
     view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (False for a device autocast does not know: meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def check_routed_inputs(x, topk_idx, topk_weights, weights_name: str = "topk_weights") -> None:
+    """The modules' ``x [..., H]``, ``topk_idx [..., K]`` and weights ``[..., K]``: tensors, a floating ``x``,
+    and the same leading dimensions (one row of ``topk_idx`` per token of ``x``)."""
+    x, topk_idx, topk_weights = (_tensor(name, t) for name, t in (("x", x), ("topk_idx", topk_idx),
+                                                                 (weights_name, topk_weights)))
+    if not x.is_floating_point():
+        raise TypeError(f"x has dtype {x.dtype}; expected a floating dtype")
+    if topk_idx.dim() < 1 or x.dim() < 1 or topk_idx.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)} and x {tuple(x.shape)}; expected the same "
+                         f"leading dimensions (x [..., hidden], topk_idx [..., top_k]: one row per token)")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"{weights_name} has shape {tuple(topk_weights.shape)}; expected topk_idx's shape "
+                         f"{tuple(topk_idx.shape)}")
+
+
 def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
                     l2: torch.Tensor, **options) -> torch.Tensor:
     """``mega_moe_train`` over ``x [..., H]``, ``topk_idx`` / ``topk_weights [..., K]`` (weights of any
     float dtype, computed in fp32, or fp64 for fp64 ``x``): leading dimensions are flattened and
     restored, and under ``torch.autocast`` ``x`` and the weights are cast to the autocast dtype."""
-    if topk_weights.shape != topk_idx.shape:
-        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected topk_idx's shape "
-                         f"{tuple(topk_idx.shape)}")
+    check_routed_inputs(x, topk_idx, topk_weights)
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    autocast = autocast_enabled(device_type)
+    if autocast:
         dtype = torch.get_autocast_dtype(device_type)
         x, l1, l2 = x.to(dtype), l1.to(dtype), l2.to(dtype)
     weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -65,9 +84,7 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     flat_x = x.reshape(-1, x.shape[-1]).contiguous()
     flat_idx = topk_idx.reshape(-1, top_k).contiguous()
     flat_w = topk_weights.to(weight_dtype).reshape(-1, top_k).contiguous()
-    # The inputs are cast already; autocast must not re-cast the matmuls of the CPU path.
-    with torch.autocast(device_type, enabled=False):
-        y = mega_moe_train(flat_x, flat_idx, flat_w, l1, l2, **options)
+    y = mega_moe_train(flat_x, flat_idx, flat_w, l1, l2, **options)  # runs with autocast off
     # A 2-D input gets the op's output itself: FSDP2 warns about modules returning views.
     return y if x.dim() == 2 else y.view(x.shape)
 
@@ -85,7 +102,7 @@ class MegaMoE(nn.Module):
     ``[r * E_loc, (r + 1) * E_loc)`` (``expert_offset = r * E_loc``) and ``topk_idx`` holds global
     ids; ``group`` is a ProcessGroup or a 1-D DeviceMesh. ``ep_buffer`` (a
     :class:`deep_gemm_ext.EpBuffer` for ``group``) fixes the all-to-all capacity so that no call
-    syncs with the host; without it every call finds the capacity with one all_reduce.
+    syncs with the host; without it every call finds the capacity with one all_gather.
 
     ``forward(x, topk_idx, topk_weights)`` takes ``x [..., hidden]``, ``topk_idx [..., top_k]``
     (int64/int32, -1 = unused slot) and ``topk_weights [..., top_k]`` (any float dtype; computed in
@@ -146,6 +163,7 @@ class MegaMoE(nn.Module):
             trunc_normal_fp32_(view, std)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        check_routed_inputs(x, topk_idx, topk_weights)
         if topk_idx.dim() < 1 or topk_idx.shape[-1] != self.top_k:
             raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}; expected its last dim to be "
                              f"top_k={self.top_k}")

@@ -14,10 +14,13 @@ tensors, DGE_EAGER_CUSTOM_OP=1) and otherwise the same forward and backward thro
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+import torch.autograd.forward_ad as _forward_ad
+from torch._C import _functions as _autograd_functions
 
 from . import _env, layer
 from .plan import Plan
@@ -41,7 +44,30 @@ def mega_moe_fwd(
     return y, layer.produced_of(p, saved)
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _autocast_off(t: torch.Tensor):
+    """A context with autocast off for ``t``'s device where it is on, else a free no-op: the layer computes in
+    its inputs' dtypes (README, "The contract"), and autocast would re-cast the matmuls of the CPU and torch
+    paths, in the forward and in a backward run under autocast (MegaMoE casts its inputs first)."""
+    device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NO_CONTEXT
+
+
 def _forward(p: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
+    with _autocast_off(x):
+        return _forward_impl(p, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
+
+
+def _backward_impl(plan: str, dy, saved, activation_clamp):
+    with _autocast_off(dy):
+        return layer.backward(Plan.decode(plan), dy.contiguous(), saved, activation_clamp)
+
+
+def _forward_impl(p: Plan, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp):
     check_alignment(x=x, topk_idx=topk_idx, topk_weights=topk_weights, l1_weights=l1_weights,
                     l2_weights=l2_weights)
     num_experts = p.tokens.num_experts(l1_weights.shape[0])
@@ -73,7 +99,7 @@ def mega_moe_bwd(
     activation_clamp: Optional[float],
     plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer.backward(Plan.decode(plan), dy.contiguous(), list(saved), activation_clamp)
+    return _backward_impl(plan, dy, list(saved), activation_clamp)
 
 
 @mega_moe_bwd.register_fake
@@ -107,6 +133,35 @@ def _backward(ctx, dy, *unused_grads):
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+_NO_DOUBLE_BACKWARD = (b"mega_moe_train has no double backward (gradients of its gradients): its backward is not "
+                       b"differentiable")
+
+
+def _once_differentiable(backward):
+    """``torch.autograd.function.once_differentiable``, but whenever the backward runs with grad mode on
+    (``create_graph=True``): torch's own wraps the gradients only where an argument of the backward (dy)
+    requires grad, and a dy that does not would hand out gradients that silently lack their dependence
+    on the saved inputs. Here backpropagating through any of them raises."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+
+        def poisoned(t):
+            if t is None:
+                return None
+            t = t.detach()
+            t.requires_grad_(True)
+            return t
+
+        return _autograd_functions.DelayedError(_NO_DOUBLE_BACKWARD, len(outputs))(*map(poisoned, outputs))
+
+    return wrapper
+
+
 class _EagerMegaMoE(torch.autograd.Function):
     """The custom ops' forward and backward without the dispatcher: what :func:`call` runs for an
     eager call with plain tensors. The custom-op layers (argument schema, the alias check over
@@ -124,7 +179,7 @@ class _EagerMegaMoE(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @_once_differentiable
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 7
@@ -132,8 +187,7 @@ class _EagerMegaMoE(torch.autograd.Function):
             dx, d_topk, d_l1, d_l2 = torch.ops.deep_gemm_ext.mega_moe_bwd(dy, list(ctx.saved_tensors),
                                                                           ctx.activation_clamp, ctx.plan)
         else:
-            dx, d_topk, d_l1, d_l2 = layer.backward(Plan.decode(ctx.plan), dy.contiguous(),
-                                                     list(ctx.saved_tensors), ctx.activation_clamp)
+            dx, d_topk, d_l1, d_l2 = _backward_impl(ctx.plan, dy, list(ctx.saved_tensors), ctx.activation_clamp)
         return dx, None, d_topk, d_l1, d_l2, None, None
 
     @staticmethod
@@ -157,10 +211,36 @@ def _dispatcher_needed(tensors) -> bool:
             or not all(type(t) in _PLAIN and (t.is_cuda or t.is_cpu) for t in tensors))
 
 
+_REVERSE_MODE = ("it has a custom backward only; differentiate it with torch.autograd (loss.backward() or "
+                 "torch.autograd.grad) outside functorch transforms")
+_UNSUPPORTED_TRANSFORMS = {
+    TransformType.Grad: "torch.func.grad / vjp / jacrev: " + _REVERSE_MODE,
+    TransformType.Jvp: "torch.func.jvp / jacfwd (forward-mode AD): " + _REVERSE_MODE,
+    TransformType.Vmap: ("torch.func.vmap: it has no batching rule; flatten the batch into its tokens (x [B*T, H]) "
+                         "or loop over it"),
+} if (TransformType := getattr(torch._C._functorch, "TransformType", None)) is not None else {}
+
+
+def check_transforms(tensors) -> None:
+    """Raise a clear error under what the layer has no rule for: functorch's grad, jvp and vmap transforms
+    (functionalization passes), and forward-mode AD's dual tensors (which the op would silently drop)."""
+    if torch._C._are_functorch_transforms_active():
+        active = {interpreter.key() for interpreter in torch._C._functorch.get_interpreter_stack() or ()}
+        for transform, what in _UNSUPPORTED_TRANSFORMS.items():  # jacfwd is vmap over jvp: name the AD first
+            if transform in active:
+                raise NotImplementedError(f"mega_moe_train does not support {what}")
+    if _forward_ad._current_level >= 0 and any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError("mega_moe_train has no forward-mode AD (an input is a dual tensor with a "
+                                  "tangent): differentiate it with backward (reverse mode) instead")
+
+
 def call(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan: str) -> torch.Tensor:
     """y of the layer: through ``deep_gemm_ext::mega_moe_fwd`` where the dispatcher is needed (see
     :func:`_dispatcher_needed`), else through :class:`_EagerMegaMoE`."""
-    if _dispatcher_needed((x, topk_idx, topk_weights, l1_weights, l2_weights)):
+    tensors = (x, topk_idx, topk_weights, l1_weights, l2_weights)
+    if _dispatcher_needed(tensors):
+        if not torch.compiler.is_compiling():
+            check_transforms(tensors)
         return torch.ops.deep_gemm_ext.mega_moe_fwd(x, topk_idx, topk_weights, l1_weights, l2_weights,
                                                     activation_clamp, plan)[0]
     return _EagerMegaMoE.apply(x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan)

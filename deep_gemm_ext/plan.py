@@ -245,17 +245,33 @@ def choose_provider(device: torch.device, dtype: torch.dtype, facts: ShapeFacts,
 
 
 def resolve_exchange(x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.Tensor, group=None,
-                     ep_buffer=None, recipe: str = "bf16") -> str:
+                     ep_buffer=None, recipe: str = "bf16", topk_weights: torch.Tensor | None = None) -> str:
     """The token exchange of one call (``Plan.exchange``): ``"local"`` without a group or with a
     group of one rank, else the all-to-all over ``group`` (already resolved to a ProcessGroup) with
-    ``ep_buffer``'s capacity, or the default buffer's (one all_reduce and a host sync per call).
+    ``ep_buffer``'s capacity, or the default buffer's (one all_gather and a host sync per call).
     Under ``recipe="fp8"`` dispatch sends x's rows in fp8: the L1 forward quantizes them 1x128 along
     H anyway, and quantizing at the source is that same quantization point (comm.all_to_all)."""
     if group is None or group.size() == 1:
         return "local"
     # The transport follows the buffer: EpBuffer -> all_to_all, SymmetricEpBuffer -> symmetric.
     if ep_buffer is None:
-        ep_buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device)
+        # The call's collective also compares what every rank must pass alike, and the ids where the host
+        # checks them (so that every rank raises, not only the one with bad ids).
+        num_local = l1_weights.shape[0]
+        host_check = _env.check_ids()
+        bad_ids = ids_error = None
+        if host_check or (host_check is None and not topk_idx.is_cuda):
+            from .validation import check_expert_ids
+
+            num_experts = group.size() * num_local
+            bad_ids = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+
+            def ids_error():
+                check_expert_ids(topk_idx, num_experts)
+        ep_buffer = default_ep_buffer(group, x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device,
+                                      num_local_experts=num_local,
+                                      weight_dtype=None if topk_weights is None else topk_weights.dtype,
+                                      fp8_rows=recipe == "fp8", bad_ids=bad_ids, ids_error=ids_error)
     return ep_buffer.exchange_spec(l1_weights.shape[0], fp8_rows=recipe == "fp8")
 
 
@@ -396,7 +412,20 @@ def ep_overlap_applies(requested: bool, exchange: str, provider: str, recipe: st
 
 def unsupported_shape_reason(hidden: int, intermediate: int, recipe: str = "bf16",
                              device_type: str = "cuda") -> str | None:
-    """Why ``(hidden, intermediate)`` cannot run under ``recipe`` on ``device_type``; None if it can."""
+    """Why ``(hidden, intermediate)`` cannot run under ``recipe`` on ``device_type`` (a device type or any
+    device spelling: ``"cuda"``, ``"cuda:0"``, a ``torch.device``); None if it can."""
+    for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+        if value is None or isinstance(value, (bool, float, str, bytes)):  # ints, traced and symbolic sizes pass
+            raise TypeError(f"{name}={value!r}: expected an int")
+    if isinstance(device_type, str) and device_type not in ("cuda", "cpu", "meta"):
+        try:
+            device_type = torch.device(device_type).type
+        except RuntimeError:
+            raise ValueError(f"device_type={device_type!r}: expected a device type such as 'cuda' or 'cpu'") from None
+    elif isinstance(device_type, torch.device):
+        device_type = device_type.type
+    elif not isinstance(device_type, str):
+        raise TypeError(f"device_type={device_type!r}: expected a str or a torch.device")
     if recipe not in RECIPES:
         return f"recipe={recipe!r} is not supported; expected one of {RECIPES}"
     if hidden <= 0 or intermediate <= 0:

@@ -43,6 +43,11 @@ def reference_forward(
     Computes in the dtype of ``x`` (upcast the inputs for a float64 reference). Slots whose id
     is -1 or belongs to another rank's experts contribute nothing.
     """
+    if topk_idx.dim() != 2 or topk_weights.shape != topk_idx.shape or x.dim() != 2 or x.shape[0] != topk_idx.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)}: expected x [T, H] and topk_idx, topk_weights [T, K]")
+    if topk_idx.is_floating_point() or topk_idx.is_complex():
+        raise TypeError(f"topk_idx has dtype {topk_idx.dtype}; expected an integer dtype")
     num_tokens, top_k = topk_idx.shape
     num_local = l1_weights.shape[0]
     dtype = x.dtype

@@ -62,6 +62,15 @@ def compute_routing_torch(topk_idx: torch.Tensor, num_experts: int, align: int) 
     Ids outside ``[-1, num_experts)`` must have been rejected by validation; as a second line of
     defence they are treated as unused slots here, so no later index can go out of bounds.
     """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int64,
+                                                                                               torch.int32):
+        what = (f"shape {tuple(topk_idx.shape)} and dtype {topk_idx.dtype}" if isinstance(topk_idx, torch.Tensor)
+                else type(topk_idx).__name__)
+        raise TypeError(f"topk_idx: expected a 2-D int64 or int32 tensor [num_tokens, top_k], got {what}")
+    for name, value in (("num_experts", num_experts), ("align", align)):
+        # Python ints checked by value; traced and symbolic sizes (torch.compile's) pass as they are.
+        if value is None or isinstance(value, (bool, float, str)) or (type(value) is int and value < 1):
+            raise ValueError(f"{name}={value!r}: expected a positive int")
     num_tokens, top_k = topk_idx.shape
     device = topk_idx.device
     num_slots = num_tokens * top_k

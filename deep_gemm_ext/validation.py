@@ -60,7 +60,11 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     if activation_clamp is not None:
         if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
             raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
-        if not (activation_clamp > 0 and activation_clamp != float("inf")):
+        try:
+            finite = float(activation_clamp) != float("inf")
+        except OverflowError:  # an int past the float range
+            finite = False
+        if not (activation_clamp > 0 and finite):
             raise ValueError(f"activation_clamp={activation_clamp} must be a finite positive number or None")
     group = resolve_group(group)
     if ep_buffer is not None:
@@ -118,7 +122,7 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
     if l1_hidden != hidden:
         raise ValueError(f"l1_weights.shape[2]={l1_hidden} must equal x's hidden size {hidden}")
     expected_l2 = (num_experts, hidden, intermediate)
-    if tuple(l2_weights.shape) == (num_experts, hidden, two_i):
+    if two_i > 0 and tuple(l2_weights.shape) == (num_experts, hidden, two_i):
         # l2_weights fits an l1_weights of [E, I, H]: l1 holds the gate (or up) rows only.
         raise ValueError(f"l1_weights has shape {tuple(l1_weights.shape)}; expected "
                          f"{(num_experts, 2 * two_i, hidden)} ([num_experts, 2 * intermediate, hidden], gate rows "

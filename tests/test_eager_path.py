@@ -89,6 +89,23 @@ def test_double_backward_raises(monkeypatch, custom_op):
 
 
 @pytest.mark.parametrize("custom_op", ["0", "1"])
+def test_double_backward_of_a_linear_loss_raises(monkeypatch, custom_op):
+    """A loss linear in y hands the backward a dy that does not require grad; dx still depends on x
+    through the saved tensors, so differentiating dx again must raise, not return a second derivative
+    that silently lacks that dependence (torch's once_differentiable lets this through)."""
+    monkeypatch.setenv("DGE_EAGER_CUSTOM_OP", custom_op)
+    x, idx, w, l1, l2 = make_inputs(20, 16, 8, 5, 3, device="cpu", dtype=torch.float32, seed=5)
+    c = torch.randn(20, 16)
+    (dx,) = torch.autograd.grad((dge.mega_moe_train(x, idx, w, l1, l2) * c).sum(), x, create_graph=True)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError):
+        ((dx ** 2).sum() + dge.mega_moe_train(x, idx, w, l1, l2).sum()).backward()
+    # Without create_graph the same gradient, bit for bit.
+    (plain,) = torch.autograd.grad((dge.mega_moe_train(x, idx, w, l1, l2) * c).sum(), x)
+    assert torch.equal(dx.detach(), plain)
+
+
+@pytest.mark.parametrize("custom_op", ["0", "1"])
 def test_activation_checkpointing_gives_the_same_gradients(monkeypatch, custom_op):
     """torch.utils.checkpoint (non-reentrant) over the layer: the recomputed forward's saved tensors
     serve the backward, on either path, with the gradients of the plain call bit for bit."""
@@ -147,9 +164,36 @@ def test_compiled_autograd_sees_one_backward_op():
     _assert_same(plain, (y.detach(), *grads))
 
 
-def test_forward_mode_ad_raises():
+@pytest.mark.parametrize("custom_op", ["0", "1"])
+def test_forward_mode_ad_raises(monkeypatch, custom_op):
     import torch.autograd.forward_ad as fwAD
 
+    monkeypatch.setenv("DGE_EAGER_CUSTOM_OP", custom_op)
     x, idx, w, l1, l2 = _small()
     with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
         dge.mega_moe_train(fwAD.make_dual(x.detach(), torch.ones_like(x)), idx, w, l1, l2)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "grad", "vjp", "vmap"])
+def test_functorch_transforms_raise(transform):
+    """The op has no forward-AD, functorch-grad or batching rule: each transform raises an error that
+    names it (jvp used to return zero tangents silently)."""
+    x, idx, w, l1, l2 = (t.detach() for t in _small())
+
+    def f(z):
+        return dge.mega_moe_train(z, idx, w, l1, l2)
+
+    run = {"jvp": lambda: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+           "jacfwd": lambda: torch.func.jacfwd(f)(x),
+           "grad": lambda: torch.func.grad(lambda z: f(z).sum())(x),
+           "vjp": lambda: torch.func.vjp(f, x),
+           "vmap": lambda: torch.func.vmap(f)(x[None])}[transform]
+    name = {"jacfwd": "jvp", "vjp": "grad"}.get(transform, transform)
+    with pytest.raises(NotImplementedError, match=f"torch.func.{name}"):
+        run()
+
+
+def test_functionalize_runs_the_layer():
+    x, idx, w, l1, l2 = (t.detach() for t in _small())
+    y = torch.func.functionalize(lambda z: dge.mega_moe_train(z, idx, w, l1, l2))(x)
+    assert torch.equal(y, dge.mega_moe_train(x, idx, w, l1, l2))

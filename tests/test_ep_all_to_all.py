@@ -425,6 +425,25 @@ def api_bad_inputs(rank, world, device, seed):
         call(l1_weights=l1_x, l2_weights=l2_x, ep_buffer=EpBuffer(group, 13, H, K, torch.float32))
     # The group still works after all of that.
     assert call().shape == x.shape
+    # Without an ep_buffer the ranks compare on every call, in the collective that finds the capacity:
+    # the same mismatch after calls that agreed raises on every rank (no hang, no dropped tokens).
+    with pytest.raises(ValueError, match=rf"num_local_experts differs across the expert-parallel group \({per_rank}\)"):
+        call(l1_weights=l1_x, l2_weights=l2_x)
+    # Bad ids on one rank, checked on the host there: every rank raises, naming it.
+    bad_one = bad if rank == 1 else idx
+    with pytest.raises(ValueError, match=(rf"topk_idx\[2, 1\] = {num_experts} is out of range" if rank == 1 else
+                                          r"topk_idx of rank\(s\) \[1\] holds expert ids outside")):
+        call(topk_idx=bad_one)
+    # topk_weights' dtype sets the width of the ids-and-weights exchange: ranks passing different ones
+    # are told so, with or without a buffer (the exchange itself would abort the process).
+    x64, l1_64, l2_64 = x.double(), l1.double(), l2.double()
+    w_mixed = w.double() if rank == 0 else w
+    per_rank = ", ".join(f"rank {r}: {torch.float64 if r == 0 else torch.float32}" for r in range(world))
+    for buffer in (None, EpBuffer(group, 17, H, K, torch.float64)):
+        with pytest.raises(ValueError, match=rf"topk_weights dtype differs across the expert-parallel group "
+                                             rf"\({per_rank}\)"):
+            call(x=x64, topk_weights=w_mixed, l1_weights=l1_64, l2_weights=l2_64, ep_buffer=buffer)
+    assert call().shape == x.shape
 
 
 def module_and_compile(rank, world, device, seed):

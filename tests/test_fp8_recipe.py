@@ -267,13 +267,53 @@ def test_cache_sees_an_optimizer_step_the_version_counter_misses():
     _assert_fresh(cache, experts.l1, old)
 
 
-def test_cache_entry_dies_with_its_parameter():
+def test_cache_entry_goes_with_its_parameter():
+    """No reference to the parameter is held; a dead parameter's entry goes at the next quantization."""
     cache, experts = fp8.WeightCache(), Experts(5)
     cache.get(experts.l1), cache.get(experts.l2)
     assert len(cache) == 2 and cache.memory_bytes() > 0
     del experts
     gc.collect()
-    assert len(cache) == 0 and cache.memory_bytes() == 0
+    other = Experts(8)
+    cache.get(other.l2)
+    assert len(cache) == 1 and cache.memory_bytes() == other.l2.numel() * 2 + 4 * 2 * E * 2
+
+
+def test_cache_sees_a_new_storage_at_the_old_address():
+    """``w.data = new`` leaves the version counter alone; where the allocator hands the new storage the old
+    one's address, only the storage's identity tells the weights apart. Two storages over one buffer
+    (torch.frombuffer) have one address deterministically."""
+    import numpy as np
+
+    cache, experts = fp8.WeightCache(), Experts(9)
+    buffer = np.empty(experts.l2.numel(), dtype=np.uint16)
+
+    def storage_over_buffer(values):
+        buffer[:] = values.view(torch.uint16).reshape(-1).numpy()  # no torch write: no counter moves
+        return torch.frombuffer(buffer, dtype=torch.bfloat16).view(experts.l2.shape)
+
+    experts.l2.data = storage_over_buffer(experts.l2.detach().clone())
+    old = cache.get(experts.l2)
+    address = experts.l2.data_ptr()
+    experts.l2.data = storage_over_buffer(torch.randn(E, H, I, generator=_gen(10)).bfloat16())
+    assert experts.l2.data_ptr() == address and experts.l2._version == 0
+    _assert_fresh(cache, experts.l2, old)
+
+
+def test_cache_lets_parameters_be_swapped():
+    """torch.utils.swap_tensors (Module.to / load_state_dict under swap_module_params_on_conversion)
+    refuses a tensor with a weak reference: the cache holds none, and sees the swap."""
+    cache, experts = fp8.WeightCache(), Experts(11)
+    old = cache.get(experts.l1)
+    torch.utils.swap_tensors(experts.l1, torch.nn.Parameter(Experts(12).l1.detach().clone()))
+    _assert_fresh(cache, experts.l1, old)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        experts.load_state_dict(Experts(13).state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    _assert_fresh(cache, experts.l1, cache.get(Experts(12).l1))
 
 
 def test_cache_memory_matches_the_documented_cost():
@@ -477,6 +517,24 @@ def test_layer_nonfinite_positions_match_the_reference(where):
             f"{name}: {int((~torch.isfinite(o)).sum())} non-finite vs the reference's {int((~torch.isfinite(r)).sum())}"
 
 
+@pytest.mark.parametrize("where", ["x", "l1"])
+def test_an_inf_under_a_clamp_is_the_layer_with_a_nan_there(where):
+    """e4m3 stores an Inf as NaN, and under activation_clamp the reference's clamp maps an Inf in h to c but
+    keeps a NaN: the fp8 layer then follows the reference for a NaN in that place (README, FP8 recipe)."""
+    case = _case(300, "uniform", seed=14)
+    outs = []
+    for value in (math.inf, math.nan):
+        x, idx, w, l1, l2, dy = (t.clone() for t in case)
+        if where == "x":
+            x[5, 17] = value
+        else:
+            l1[1, 17, 40] = value
+        outs.append(fp8.fp8_reference_layer(x, idx, w, l1, l2, 1.0, dy))
+    assert outs[0][0].isnan().any()  # y: the poison reached the output
+    for name, a, b in zip(OUTPUTS, *outs):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan()), name
+
+
 # ---------------------------------------------------------------------------------------------
 # recipe="fp8" through the layer: on CPU (and on GPUs without fp8 kernels) the torch providers run
 # the emulation; the layer's sequence is the one of every recipe.
@@ -643,7 +701,7 @@ def test_recipe_fp8_under_torch_compile_is_bit_equal():
 @pytest.mark.parametrize("routing, clamp", [("uniform", None), ("unused_slots", 4.0), ("one_expert", None)])
 def test_gpu_layer_recipe_fp8_matches_the_emulation(routing, clamp):
     """The GPU layer under recipe="fp8" (DeepGEMM's kernels where installed, else the emulation on
-    torch providers): its error against the fp64 reference within 1.02x of the fp32 emulated
+    torch providers): its error against the fp64 reference within 1.02x (+1e-3) of the fp32 emulated
     reference layer's (design.md §6), outputs NaN-poisoned first."""
     backends = ["auto", "torch"] + (["deep_gemm"] if _deep_gemm_sm90() else [])
     x, idx, w, l1, l2, dy = _leaves(_case(300, routing, seed=12), torch.bfloat16, "cuda")
@@ -660,7 +718,7 @@ def test_gpu_layer_recipe_fp8_matches_the_emulation(routing, clamp):
             err, emu_err = rel_err(out, r), rel_err(emu, r)
             print(f"[{backend} {routing} clamp={clamp}] {name}: {err:.3e} (emulation {emu_err:.3e})")
             assert torch.isfinite(out).all(), f"{backend} {name}: non-finite output"
-            assert err <= 1.02 * emu_err + 2e-3, f"{backend} {name}: {err:.3e} vs emulation {emu_err:.3e}"
+            assert err <= 1.02 * emu_err + 1e-3, f"{backend} {name}: {err:.3e} vs emulation {emu_err:.3e}"
 
 
 def _deep_gemm_sm90() -> bool:

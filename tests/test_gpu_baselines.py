@@ -20,7 +20,14 @@ def _errors(fn, routing, seed, shape=(512, 256, 128, 16, 4)):
     y = fn(x, idx, w, l1, l2)
     grads = torch.autograd.grad(y, (x, w, l1, l2), dy)
     y_ref, grads_ref = reference_grads(x, idx, w, l1, l2, None, dy)
+    for name, out in zip(NAMES, (y, *grads)):
+        assert not out.isnan().any(), f"{name} holds NaN (a row left unwritten)"
     return {n: rel_err(out, ref) for n, out, ref in zip(NAMES, (y, *grads), (y_ref, *grads_ref))}
+
+
+def _assert_within(errors):
+    # Every entry: max() would pass over a NaN that is not the first.
+    assert all(err < MAX_REL_ERR for err in errors.values()), errors
 
 
 # Liger has no unused slots (-1): only routings where every slot names an expert.
@@ -32,7 +39,7 @@ def test_gpu_liger_adapter_matches_reference(routing, shape):
     if reason:
         pytest.skip(reason)
     errors = _errors(liger_fused_moe, routing, seed=21, shape=shape)
-    assert max(errors.values()) < MAX_REL_ERR, errors
+    _assert_within(errors)
 
 
 @requires_cuda
@@ -40,4 +47,4 @@ def test_gpu_liger_adapter_matches_reference(routing, shape):
 def test_gpu_compiled_grouped_mm_is_one_graph_and_matches_reference(routing):
     compiled = torch.compile(grouped_mm_moe, fullgraph=True, dynamic=False)
     errors = _errors(compiled, routing, seed=31)
-    assert max(errors.values()) < MAX_REL_ERR, errors
+    _assert_within(errors)

@@ -304,11 +304,14 @@ _WORLD_ONE_SCRIPT = textwrap.dedent("""
     torch.cuda.set_device(0)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    try:
-        buf = SymmetricEpBuffer(dist.group.WORLD, 16, 256, 4, torch.bfloat16)
-    except Exception as exc:  # symmetric memory unavailable here
+    import torch.distributed._symmetric_memory as symm
+    try:  # symmetric memory itself, apart from the buffer: only its absence is a skip
+        probe = symm.empty(64, dtype=torch.uint8, device="cuda")
+        symm.rendezvous(probe, dist.group.WORLD.group_name)
+    except Exception as exc:
         print("SKIP", type(exc).__name__, exc)
         sys.exit(0)
+    buf = SymmetricEpBuffer(dist.group.WORLD, 16, 256, 4, torch.bfloat16)
     ex = buf.exchange(3)
     x = torch.randn(10, 256, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(-1, 3, (10, 4), device="cuda")

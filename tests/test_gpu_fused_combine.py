@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import deep_gemm_ext as dge
+from deep_gemm_ext import plan
 from deep_gemm_ext.jit_kernels import sm90_bf16_grouped_gemm as gg
 from deep_gemm_ext.routing import compute_routing_torch
 from deep_gemm_ext.testing import make_inputs, make_routing
@@ -203,6 +204,8 @@ def _layer(env, monkeypatch, *, num_tokens=300, routing="empty_experts", clamp=N
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     x, idx, w, l1, l2 = make_inputs(num_tokens, 512, 256, 8, 4, routing=routing, device="cuda", seed=seed)
+    # The variable must switch the combine epilogue, or the comparison below is of a path with itself.
+    assert plan.resolve(x, l1).combine_epilogue == (env.get("DGE_FUSED_COMBINE", "1") != "0"), env
     dy = torch.randn(num_tokens, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, l1, l2)]
     y = dge.mega_moe_train(leaves[0], idx, leaves[1], leaves[2], leaves[3], activation_clamp=clamp)

@@ -121,6 +121,42 @@ def test_argument_errors():
         dge.MegaMoE(4, 16, 8, 2, activation_clamp=-1)
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by the group size 4"):
         dge.MegaMoE(6, 16, 8, 2, group=FakeGroup(4, 0))
+    # One row of topk_idx per token: the leading dimensions must be x's, not just as many elements.
+    with pytest.raises(ValueError, match=r"topk_idx has shape \(3, 2, 2\) and x \(2, 3, 16\); expected the same "
+                                         r"leading dimensions"):
+        m(x.view(2, 3, 16), idx.view(3, 2, 2), w.view(3, 2, 2))
+    with pytest.raises(ValueError, match="expected the same leading dimensions"):
+        m(x[0], idx[:1], w[:1])
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        m(x.tolist(), idx, w)
+    with pytest.raises(TypeError, match="topk_weights must be a torch.Tensor, got NoneType"):
+        m(x, idx, None)
+    with pytest.raises(TypeError, match="x has dtype torch.int64; expected a floating dtype"):
+        m(x.long(), idx, w)
+
+
+def test_meta_inputs_take_the_fake():
+    m = dge.MegaMoE(4, 16, 8, 2, device="meta", dtype=torch.float32)
+    x, idx, w, _, _ = make_inputs(6, 16, 8, 4, 2, dtype=torch.float32, requires_grad=False)
+    y = m(*(t.to("meta") for t in (x.view(2, 3, 16), idx.view(2, 3, 2), w.view(2, 3, 2))))
+    assert y.device.type == "meta" and y.shape == (2, 3, 16)
+    g = dge.MegaGroupedExperts(16, 8, 4, device="meta", dtype=torch.float32)
+    assert g(*(t.to("meta") for t in (x, idx, w))).shape == (6, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_functional_call_ignores_autocast(dtype):
+    """The layer computes in its inputs' dtypes: autocast does not re-cast the CPU path's matmuls, in the
+    forward or in a backward run under autocast (MegaMoE casts its inputs to the autocast dtype instead)."""
+    x, idx, w, l1, l2 = make_inputs(6, 16, 8, 4, 2, dtype=torch.float32, seed=2)
+    plain = dge.mega_moe_train(x, idx, w, l1, l2)
+    plain_grads = torch.autograd.grad(plain.sum(), (x, w, l1, l2))
+    with torch.autocast("cpu", dtype=dtype):
+        y = dge.mega_moe_train(x, idx, w, l1, l2)
+        grads = torch.autograd.grad(y.sum(), (x, w, l1, l2))
+    assert y.dtype == torch.float32 and torch.equal(y, plain)
+    for g, p in zip(grads, plain_grads):
+        assert torch.equal(g, p)
 
 
 def test_expert_parallel_shard_layout():

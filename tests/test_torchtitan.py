@@ -118,6 +118,12 @@ def test_argument_errors():
         module.score_before_experts = before
         with pytest.raises(ValueError, match=r"expected topk_idx's shape \(4, 2\)"):
             module(x, idx, torch.rand(4, 3, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"topk_idx has shape \(5, 2\) and x \(4, 24\)"):
+            module(x, torch.zeros(5, K, dtype=torch.long), torch.rand(5, K, dtype=torch.float64))
+        with pytest.raises(TypeError, match="x has dtype torch.int64; expected a floating dtype"):
+            module(x.long(), idx, torch.rand(4, K, dtype=torch.float64))
+        with pytest.raises(TypeError, match="topk_scores must be a torch.Tensor, got NoneType"):
+            module(x, idx, None)
 
 
 @requires_cuda

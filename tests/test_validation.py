@@ -42,6 +42,9 @@ CASES = [
     (dict(activation_clamp=-1.0), ValueError, r"activation_clamp=-1.0 must be a finite positive"),
     (dict(activation_clamp=float("inf")), ValueError, r"activation_clamp=inf"),
     (dict(activation_clamp="7"), TypeError, r"activation_clamp must be a float or None"),
+    (dict(activation_clamp=10 ** 400), ValueError, r"activation_clamp=1000.* must be a finite positive"),
+    (dict(l1_weights=BASE["l1_weights"][:, :0], l2_weights=BASE["l2_weights"][:, :, :0]), ValueError,
+     r"hidden=16 and intermediate=0 must be positive"),
 ]
 
 
@@ -72,3 +75,28 @@ def test_unsupported_shape_reason():
     assert "hidden=2044" in dge.unsupported_shape_reason(2044, 768)
     assert "intermediate=770" in dge.unsupported_shape_reason(2048, 770, device_type="cuda")
     assert dge.unsupported_shape_reason(2044, 770, device_type="cpu") is None
+    # Any spelling of a device: a device string with an index, a torch.device.
+    for device in ("cuda:0", torch.device("cuda"), torch.device("cuda", 1)):
+        assert "hidden=20 " in dge.unsupported_shape_reason(20, 8, "bf16", device), device
+    assert dge.unsupported_shape_reason(20, 8, "bf16", torch.device("cpu")) is None
+    with pytest.raises(ValueError, match=r"device_type='CUDA': expected a device type such as 'cuda'"):
+        dge.unsupported_shape_reason(20, 8, "bf16", "CUDA")
+    with pytest.raises(TypeError, match=r"device_type=None: expected a str or a torch.device"):
+        dge.unsupported_shape_reason(20, 8, "bf16", None)
+    with pytest.raises(TypeError, match=r"hidden='16': expected an int"):
+        dge.unsupported_shape_reason("16", 8)
+
+
+def test_routing_and_reference_helpers_check_their_arguments():
+    idx = torch.tensor([[0, 1], [1, -1]])
+    with pytest.raises(TypeError, match=r"topk_idx: expected a 2-D int64 or int32 tensor .* dtype torch.float32"):
+        dge.compute_routing_torch(idx.float(), 4, 1)
+    with pytest.raises(ValueError, match=r"align=0: expected a positive int"):
+        dge.compute_routing_torch(idx, 4, 0)
+    with pytest.raises(ValueError, match=r"num_experts=-1: expected a positive int"):
+        dge.compute_routing_torch(idx, -1, 1)
+    x, _, w, l1, l2 = make_inputs(2, 16, 8, 4, 2, requires_grad=False, seed=0)
+    with pytest.raises(TypeError, match=r"topk_idx has dtype torch.float32; expected an integer dtype"):
+        dge.reference_forward(x, idx.float(), w, l1, l2)
+    with pytest.raises(ValueError, match=r"expected x \[T, H\] and topk_idx, topk_weights \[T, K\]"):
+        dge.reference_forward(x[:1], idx, w, l1, l2)

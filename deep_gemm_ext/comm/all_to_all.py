@@ -129,7 +129,7 @@ class EpBuffer:
     with it the exchange syncs with the host only at the first call of a shape class (the ranks'
     agreement check), so the layer can run under CUDA graphs and torch.compile.
 
-    Without one, the layer finds the capacity itself with one all_reduce of the ranks' token
+    Without one, the layer finds the capacity itself with one all_gather of the ranks' token
     counts per call (a host sync), see :func:`default_ep_buffer`.
 
     The all-to-all transport holds no storage between calls: its send and receive rows come from
@@ -176,23 +176,63 @@ class EpBuffer:
 _DEFAULT_BUFFERS: dict[tuple, EpBuffer] = {}
 
 
+def _raise_on_disagreement(table: list, names: tuple, decode: dict) -> None:
+    """Every rank raises the same error where a column of the gathered ``table`` (a row per rank) differs."""
+    for col, name in enumerate(names):
+        values = [row[col] for row in table]
+        if len(set(values)) > 1:
+            values = [decode[name][v] for v in values] if name in decode else values
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}); every rank "
+                             f"must pass the same value")
+
+
+_CALL_COLUMNS = ("num_local_experts", "hidden", "top_k", "dtype", "topk_weights dtype", "fp8_rows")
+
+
 def default_ep_buffer(group, num_tokens: int, hidden: int, top_k: int, dtype: torch.dtype,
-                      device: torch.device) -> EpBuffer:
+                      device: torch.device, *, num_local_experts: int | None = None,
+                      weight_dtype: torch.dtype | None = None, fp8_rows: bool = False,
+                      bad_ids: torch.Tensor | None = None, ids_error=None) -> EpBuffer:
     """The buffer the layer uses when the caller passes none: one per (group, hidden, top_k, dtype,
     device), its capacity the largest token count any rank has passed so far.
 
-    Costs one all_reduce of the token counts and a host sync per call (every rank must call it,
-    with its own ``num_tokens``); CUDA graphs and torch.compile need an explicit :class:`EpBuffer`."""
+    Costs one all_gather of a few integers per rank and a host sync per call (every rank must call it,
+    with its own ``num_tokens``); CUDA graphs and torch.compile need an explicit :class:`EpBuffer`.
+    With ``num_local_experts`` and ``weight_dtype`` the same collective compares, on every call, what
+    the ranks must pass alike (E_loc, hidden, top_k, the dtypes, the row format), and ``bad_ids`` (a
+    0-d tensor, nonzero where this rank's ids fail the host check) makes every rank raise, not only the
+    one whose ids are bad while the others wait for it in the exchange: that rank by ``ids_error()``
+    (which raises the host check's error, naming the slot), the others naming the rank."""
     group = resolve_group(group)
-    count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    most = max(int(count.item()), 1)
+    checked = num_local_experts is not None and weight_dtype is not None
+    row = [num_tokens]
+    if checked:
+        row += [num_local_experts, hidden, top_k, _DTYPES.index(dtype), _DTYPES.index(weight_dtype), int(fp8_rows)]
+    mine = torch.tensor(row + [0], dtype=torch.int64, device=device)
+    if bad_ids is not None:
+        mine[-1] = bad_ids.to(torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).tolist()
+    bad = [r for r, entry in enumerate(table) if entry[-1]]
+    if bad:
+        if group.rank() in bad and ids_error is not None:
+            ids_error()
+        raise ValueError(f"topk_idx of rank(s) {bad} holds expert ids outside [-1, num_experts); expected global "
+                         f"ids in [-1, W * E_loc) (-1 marks an unused slot)")
+    if checked:
+        _raise_on_disagreement([entry[1:-1] for entry in table], _CALL_COLUMNS,
+                               {"dtype": _DTYPES, "topk_weights dtype": _DTYPES})
+    most = max(max(entry[0] for entry in table), 1)
     key = (group.group_name, hidden, top_k, dtype, str(device))
     buffer = _DEFAULT_BUFFERS.get(key)
     # Capacity only grows: every rank sees the same maxima, so the shapes agree and settle.
     if buffer is None or buffer.group is not group or buffer.max_tokens_per_rank < most:
         buffer = EpBuffer(group, most, hidden, top_k, dtype)
         _DEFAULT_BUFFERS[key] = buffer
+    if checked:  # dispatch's own check of this shape class would ask the same again
+        _AGREED[(group.group_name, buffer.max_tokens_per_rank, hidden, top_k, dtype, weight_dtype)] = group
     return buffer
 
 
@@ -248,31 +288,27 @@ class AllToAllExchange(BlockedExchange):
 
     # -- checks -----------------------------------------------------------------------------
 
-    def _check_agreement(self, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Once per shape class (group, capacity, hidden, top_k, dtype): every rank has the same E_loc,
-        capacity, shapes and row format (fp8 or not: the recipe).
+    def _check_agreement(self, hidden: int, top_k: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+                         device: torch.device) -> None:
+        """Once per shape class (group, capacity, hidden, top_k, dtypes): every rank has the same E_loc,
+        capacity, shapes, dtypes (topk_weights' sets the width of the ids-and-weights exchange) and row
+        format (fp8 or not: the recipe).
 
         One all_gather and a host sync; skipped while a CUDA graph is captured (run one eager step
         before capturing). The key leaves E_loc out on purpose: whether to check must be decided
-        alike on every rank, and E_loc (or the row format) is what may differ; so a rank that changes
-        its E_loc or recipe in a shape class the group already checked is not caught."""
-        key = (self.group.group_name, self.capacity, hidden, top_k, dtype)
+        alike on every rank, and E_loc (or the row format) is what may differ; so with an ``EpBuffer``
+        a rank that changes its E_loc or recipe in a shape class the group already checked is not
+        caught. Without one, :func:`default_ep_buffer` compares them on every call."""
+        key = (self.group.group_name, self.capacity, hidden, top_k, dtype, weight_dtype)
         if _AGREED.get(key) is self.group or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype", "fp8_rows")
+        names = ("num_local_experts", "max_tokens_per_rank", "hidden", "top_k", "dtype", "fp8_rows",
+                 "topk_weights dtype")
         mine = torch.tensor([self.num_local_experts, self.capacity, hidden, top_k, _DTYPES.index(dtype),
-                             self.fp8_rows], dtype=torch.int64, device=device)
+                             self.fp8_rows, _DTYPES.index(weight_dtype)], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
-        table = [g.tolist() for g in gathered]
-        for col, name in enumerate(names):
-            values = [row[col] for row in table]
-            if len(set(values)) > 1:
-                if name == "dtype":
-                    values = [_DTYPES[v] for v in values]
-                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}); every rank "
-                                 f"must pass the same value")
+        _raise_on_disagreement([g.tolist() for g in gathered], names, {"dtype": _DTYPES, "topk_weights dtype": _DTYPES})
         _AGREED[key] = self.group
 
     # -- the four pieces -----------------------------------------------------------------------
@@ -290,7 +326,7 @@ class AllToAllExchange(BlockedExchange):
             raise ValueError(f"rank {self.rank} passes {num_tokens} tokens but the exchange's capacity is "
                              f"max_tokens_per_rank={cap}; create the EpBuffer with max_tokens_per_rank >= "
                              f"{num_tokens}")
-        self._check_agreement(hidden, top_k, x.dtype, x.device)
+        self._check_agreement(hidden, top_k, x.dtype, topk_weights.dtype, x.device)
 
         ids = topk_idx.long()
         dest = torch.arange(world, device=x.device).view(world, 1, 1)

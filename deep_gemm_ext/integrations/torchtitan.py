@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..module import _positive_int, experts_forward, local_tensor, trunc_normal_fp32_
+from ..module import _positive_int, autocast_enabled, check_routed_inputs, experts_forward, local_tensor, trunc_normal_fp32_
 from ..validation import validate_inputs
 
 
@@ -60,15 +60,13 @@ class MegaGroupedExperts(nn.Module):
             trunc_normal_fp32_(local_tensor(param), std)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_scores: torch.Tensor) -> torch.Tensor:
+        check_routed_inputs(x, topk_idx, topk_scores, "topk_scores")
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         l1 = torch.cat((w1, w3), dim=1)
         options = dict(activation_clamp=self.activation_clamp, backend=self.backend)
-        inputs = x if torch.is_autocast_enabled(x.device.type) else x.to(l1.dtype)
+        inputs = x if autocast_enabled(x.device.type) else x.to(l1.dtype)
         if not self.score_before_experts:
             return experts_forward(inputs, topk_idx, topk_scores, l1, w2, **options).to(x.dtype)
-        if topk_scores.shape != topk_idx.shape:
-            raise ValueError(f"topk_scores has shape {tuple(topk_scores.shape)}; expected topk_idx's shape "
-                             f"{tuple(topk_idx.shape)}")
         top_k, hidden = topk_idx.shape[-1], x.shape[-1]
         flat = inputs.reshape(-1, 1, hidden)
         acc = torch.promote_types(flat.dtype, torch.float32)  # torchtitan scales in fp32

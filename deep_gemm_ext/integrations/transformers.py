@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..module import experts_forward
+from ..module import autocast_enabled, experts_forward
 
 IMPLEMENTATION_NAME = "deep_gemm_ext"
 
@@ -119,6 +119,6 @@ def transformers_experts_forward(experts: nn.Module, hidden_states: torch.Tensor
     if getattr(experts, "_is_expert_parallel", False):
         top_k_index = top_k_index.masked_fill(top_k_index >= l1.shape[0], -1)
     x = hidden_states
-    if not torch.is_autocast_enabled(x.device.type):
+    if not autocast_enabled(x.device.type):
         x = x.to(l1.dtype)
     return experts_forward(x, top_k_index, top_k_weights, l1, l2).to(hidden_states.dtype)

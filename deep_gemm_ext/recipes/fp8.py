@@ -50,11 +50,11 @@ registers with the scales applied, so the two differ by fp32 rounding only.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import elementwise
@@ -289,21 +289,30 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 
 @dataclass
 class _Entry:
-    ref: weakref.ref
+    storage: StorageWeakRef  # the weight's storage: a new one at a recycled address is another weight
     signature: tuple
     weights: Fp8ExpertWeights
+
+    def serves(self, weight: torch.Tensor, signature: tuple) -> bool:
+        return (self.signature == signature and self.storage.cdata == weight.untyped_storage()._cdata
+                and not self.storage.expired())
 
 
 class WeightCache:
     """Expert weights quantized once per weight version, not once per call.
 
-    An entry is keyed by the tensor's identity and checked against its version counter
-    (``t._version``, bumped by every in-place write through the tensor or its views: optimizer
-    steps, ``load_state_dict``, ``mul_``), data pointer, shape, strides, dtype and device, and the
-    count of ``torch.optim`` steps taken in the process; any change re-quantizes. The step count
-    covers what the version counter misses: FSDP2 refills the unsharded parameters it all-gathers
-    without bumping their counter, and the values change only when an optimizer steps the shards.
-    Entries hold weak references: a parameter that dies takes its entry with it.
+    An entry is keyed by the tensor's identity and checked against its storage (a weak reference
+    to it: ``t.data = new`` or a swapped parameter is a new storage even where the allocator hands
+    back the same address), version counter (``t._version``, bumped by every in-place write through
+    the tensor or its views: optimizer steps, ``load_state_dict``, ``mul_``), data pointer, shape,
+    strides, dtype and device, and the count of ``torch.optim`` steps taken in the process; any
+    change re-quantizes. The step count covers what the version counter misses: FSDP2 refills the
+    unsharded parameters it all-gathers without bumping their counter, and the values change only
+    when an optimizer steps the shards. No reference to the tensor itself is held (a Python weak
+    reference would make ``torch.utils.swap_tensors``, and with it ``Module.to`` /
+    ``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion``, refuse the
+    parameter): the entries of weights whose storage died are dropped at the next quantization, or
+    by :meth:`clear`.
     Not seen, so call :meth:`invalidate` or :meth:`clear` after them: writes through ``t.data``
     (``t.data.mul_(2)`` bumps a separate counter), and, under FSDP2, a ``load_state_dict`` after
     the first forward. Inference tensors have no version counter and are quantized on every call;
@@ -330,19 +339,14 @@ class WeightCache:
             return Fp8ExpertWeights.from_bf16(weight)
         key, signature = id(weight), self._signature(weight)
         entry = self._entries.get(key)
-        if entry is not None and entry.ref() is weight and entry.signature == signature:
+        if entry is not None and entry.serves(weight, signature):
             return entry.weights
         self._entries.pop(key, None)  # free the stale copy before building the new one
+        for dead in [k for k, e in self._entries.items() if e.storage.expired()]:
+            del self._entries[dead]
         weights = Fp8ExpertWeights.from_bf16(weight)
-        self._entries[key] = _Entry(weakref.ref(weight, self._forget(key)), signature, weights)
+        self._entries[key] = _Entry(StorageWeakRef(weight.untyped_storage()), signature, weights)
         return weights
-
-    def _forget(self, key: int):
-        def callback(ref: weakref.ref) -> None:
-            entry = self._entries.get(key)
-            if entry is not None and entry.ref is ref:
-                del self._entries[key]
-        return callback
 
     def invalidate(self, weight: torch.Tensor) -> None:
         """Drop ``weight``'s entry (after a write the version counter does not see)."""
