@@ -192,6 +192,11 @@ class TinyMoEDecoder(nn.Module):
 # Training
 
 
+#: The model's sizes: defaults, and the defaults under --tiny (a CPU smoke run).
+SIZES = dict(hidden=1024, intermediate=512, experts=64, top_k=8, layers=4, heads=8, vocab=2048, seq=2048, batch=4)
+TINY_SIZES = dict(hidden=64, intermediate=32, experts=8, top_k=2, layers=2, heads=4, vocab=128, seq=32, batch=2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -204,15 +209,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="small sizes for a CPU smoke run")
     p.add_argument("--recipe", choices=("bf16", "fp8"), default="bf16",
                    help="ours' precision recipe (fp8: blockwise, hidden and intermediate multiples of 128)")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
+    for name in SIZES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"default {SIZES[name]} ({TINY_SIZES[name]} with --tiny)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--aux-coef", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
@@ -224,14 +223,23 @@ def parse_args(argv=None):
                    help="also train a second baseline model to measure the run-to-run noise (default: on GPU)")
     p.add_argument("--out-dir", type=Path, default=Path("train_tiny_moe_out"))
     args = p.parse_args(argv)
-    if args.tiny:
-        args.hidden, args.intermediate, args.experts, args.top_k = 64, 32, 8, 2
-        args.layers, args.heads, args.vocab, args.seq, args.batch = 2, 4, 128, 32, 2
-        if args.recipe == "fp8":  # 128x128 weight blocks
-            args.hidden, args.intermediate = 128, 128
+    # --tiny changes the defaults; a size given explicitly is kept.
+    defaults = dict(TINY_SIZES) if args.tiny else dict(SIZES)
+    if args.tiny and args.recipe == "fp8":  # 128x128 weight blocks
+        defaults.update(hidden=128, intermediate=128)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     on_gpu = args.device.startswith("cuda")
     if args.steps is None:
         args.steps = 300 if on_gpu else 20
+    for name in ("steps", *SIZES):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected at least 1")
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k}: expected at most --experts ({args.experts})")
     if args.dtype is None:
         args.dtype = "bfloat16" if on_gpu else "float32"
     if args.noise_run is None:

@@ -211,6 +211,29 @@ def test_train_tiny_moe_example_smoke(tmp_path, recipe):
     assert max(abs(a - b) for a, b in zip(ours, base)) < tolerance
 
 
+def _example_args(argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tiny_moe", ROOT / "examples" / "train_tiny_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args(["--device", "cpu", *argv])
+
+
+def test_train_tiny_moe_example_arguments(capsys):
+    """--tiny sets the defaults, not the sizes given explicitly; sizes that cannot train are argument errors."""
+    args = _example_args(["--tiny", "--experts", "16", "--hidden", "96"])
+    assert (args.experts, args.hidden, args.intermediate, args.top_k) == (16, 96, 32, 2)
+    assert (_example_args(["--tiny", "--recipe", "fp8"]).hidden, _example_args([]).hidden) == (128, 1024)
+    for argv, message in ((["--tiny", "--steps", "0"], "--steps 0: expected at least 1"),
+                          (["--batch", "0"], "--batch 0: expected at least 1"),
+                          (["--hidden", "60", "--heads", "7"], "--hidden 60 is not a multiple of --heads 7"),
+                          (["--experts", "4", "--top-k", "6"], r"--top-k 6: expected at most --experts \(4\)")):
+        with pytest.raises(SystemExit):
+            _example_args(argv)
+        assert re.search(message, capsys.readouterr().err), argv
+
+
 def test_deep_gemm_backend_is_checked_at_construction(monkeypatch):
     """The constructor checks its options on meta tensors: backend='deep_gemm' is not refused for the
     meta device, but a missing DeepGEMM is reported there, with the install hint."""
