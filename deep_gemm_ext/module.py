@@ -69,11 +69,13 @@ def check_routed_inputs(x, topk_idx, topk_weights, weights_name: str = "topk_wei
 
 
 def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                    l2: torch.Tensor, **options) -> torch.Tensor:
+                    l2: torch.Tensor, *, checked: bool = False, **options) -> torch.Tensor:
     """``mega_moe_train`` over ``x [..., H]``, ``topk_idx`` / ``topk_weights [..., K]`` (weights of any
     float dtype, computed in fp32, or fp64 for fp64 ``x``): leading dimensions are flattened and
-    restored, and under ``torch.autocast`` ``x`` and the weights are cast to the autocast dtype."""
-    check_routed_inputs(x, topk_idx, topk_weights)
+    restored, and under ``torch.autocast`` ``x`` and the weights are cast to the autocast dtype.
+    ``checked``: the caller ran :func:`check_routed_inputs` already."""
+    if not checked:
+        check_routed_inputs(x, topk_idx, topk_weights)
     device_type = x.device.type
     autocast = autocast_enabled(device_type)
     if autocast:
@@ -169,7 +171,8 @@ class MegaMoE(nn.Module):
                              f"top_k={self.top_k}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected its last dim to be hidden={self.hidden}")
-        return experts_forward(x, topk_idx, topk_weights, self.l1_weights, self.l2_weights, group=self.group,
+        return experts_forward(x, topk_idx, topk_weights, self.l1_weights, self.l2_weights, checked=True,
+                               group=self.group,
                                recipe=self.recipe, activation_clamp=self.activation_clamp, backend=self.backend,
                                ep_buffer=self.ep_buffer)
 

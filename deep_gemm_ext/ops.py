@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch._C import _functions as _autograd_functions
 
 from . import _env, layer
 from .plan import Plan
@@ -114,6 +114,7 @@ def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan = inputs
     _, produced = output
     ctx.mark_non_differentiable(*produced)
+    ctx.x_ref = weakref.ref(x) if x.requires_grad else None  # for a double backward's error only
     # The saved tensors get no gradient: do not let autograd fill zeros for them (two [P, H]-sized
     # memsets per backward).
     ctx.set_materialize_grads(False)
@@ -127,21 +128,39 @@ def _backward(ctx, dy, *unused_grads):
         return (None,) * 7
     dx, d_topk, d_l1, d_l2 = torch.ops.deep_gemm_ext.mega_moe_bwd(dy, list(ctx.saved_tensors), ctx.activation_clamp,
                                                                   ctx.plan)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True: see _once_differentiable
+        dx, d_topk, d_l1, d_l2 = _join_for_double_backward(ctx, (dx, d_topk, d_l1, d_l2), (dy,))
     return dx, None, d_topk, d_l1, d_l2, None, None
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-_NO_DOUBLE_BACKWARD = (b"mega_moe_train has no double backward (gradients of its gradients): its backward is not "
-                       b"differentiable")
+_NO_DOUBLE_BACKWARD = ("mega_moe_train has no double backward (gradients of its gradients): its backward is not "
+                       "differentiable")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients ``grads`` as they are, joined in the graph to ``inputs`` (what they depend on: the
+    saved inputs that require grad, and dy): differentiating them with respect to any of those raises,
+    where a node hung on detached copies (torch's once_differentiable) is never reached from the real
+    inputs and a gradient taken with ``allow_unused=True`` comes back None."""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):
+        ctx.set_materialize_grads(False)
+        return tuple(None if t is None else t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_DOUBLE_BACKWARD)
 
 
 def _once_differentiable(backward):
-    """``torch.autograd.function.once_differentiable``, but whenever the backward runs with grad mode on
-    (``create_graph=True``): torch's own wraps the gradients only where an argument of the backward (dy)
-    requires grad, and a dy that does not would hand out gradients that silently lack their dependence
-    on the saved inputs. Here backpropagating through any of them raises."""
+    """``torch.autograd.function.once_differentiable``, but joined to what the gradients depend on whenever
+    the backward runs with grad mode on (``create_graph=True``): torch's own wraps the gradients only
+    where an argument of the backward (dy) requires grad, and then on detached copies, so a gradient of
+    them with respect to x or a weight is silently wrong or None. Here it raises."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -149,17 +168,19 @@ def _once_differentiable(backward):
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return outputs
-
-        def poisoned(t):
-            if t is None:
-                return None
-            t = t.detach()
-            t.requires_grad_(True)
-            return t
-
-        return _autograd_functions.DelayedError(_NO_DOUBLE_BACKWARD, len(outputs))(*map(poisoned, outputs))
+        return _join_for_double_backward(ctx, outputs, grads)
 
     return wrapper
+
+
+def _join_for_double_backward(ctx, outputs: tuple, grads: tuple) -> tuple:
+    """``outputs`` joined by :class:`_NoDoubleBackward` to the differentiable tensors they depend on: x (held
+    weakly: it is not saved on every path), the saved tensors and the incoming gradients."""
+    x = ctx.x_ref() if ctx.x_ref is not None else None
+    inputs = [t for t in (x, *ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not inputs:  # nothing the gradients depend on is differentiable: no second-order path exists
+        return outputs
+    return _NoDoubleBackward.apply(len(outputs), *outputs, *inputs)
 
 
 class _EagerMegaMoE(torch.autograd.Function):
@@ -173,6 +194,8 @@ class _EagerMegaMoE(torch.autograd.Function):
     def forward(ctx, x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp, plan):
         y, saved = _forward(Plan.decode(plan), x, topk_idx, topk_weights, l1_weights, l2_weights, activation_clamp)
         ctx.set_materialize_grads(False)  # as the custom op: no zero-filled gradients for unused outputs
+        # For a double backward's error only (_once_differentiable): a weak reference, not x's memory.
+        ctx.x_ref = weakref.ref(x) if x.requires_grad else None
         ctx.activation_clamp = activation_clamp
         ctx.plan = plan
         ctx.save_for_backward(*saved)

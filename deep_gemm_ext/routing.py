@@ -69,7 +69,9 @@ def compute_routing_torch(topk_idx: torch.Tensor, num_experts: int, align: int) 
         raise TypeError(f"topk_idx: expected a 2-D int64 or int32 tensor [num_tokens, top_k], got {what}")
     for name, value in (("num_experts", num_experts), ("align", align)):
         # Python ints checked by value; traced and symbolic sizes (torch.compile's) pass as they are.
-        if value is None or isinstance(value, (bool, float, str)) or (type(value) is int and value < 1):
+        if value is None or isinstance(value, (bool, float, str)):
+            raise TypeError(f"{name}={value!r}: expected a positive int")
+        if type(value) is int and value < 1:
             raise ValueError(f"{name}={value!r}: expected a positive int")
     num_tokens, top_k = topk_idx.shape
     device = topk_idx.device

@@ -27,7 +27,7 @@ class Workload:
         return 6.0 * self.num_tokens * self.top_k * self.hidden * self.intermediate
 
 
-#: Headline workloads of design.md §6 (single GPU, all experts local).
+#: Headline workloads of docs/architecture.md's protocol (single GPU, all experts local).
 WORKLOADS = {
     w.name: w
     for w in (

@@ -153,7 +153,8 @@ def implementations(with_loop: bool, compiled: bool = True,
 CHECK = Workload("check", 512, 256, 128, 16, 4)
 #: What --dry-run times: small enough for a CPU, multiples of 128 so a GPU takes its fast paths.
 DRY_RUN = Workload("dry-run", 64, 128, 128, 4, 2)
-#: Largest relative error against the fp64 reference per recipe: design.md §6's bf16 tolerance, and
+#: Largest relative error against the fp64 reference per recipe: the bf16 tolerance of the protocol in
+#: docs/architecture.md, and
 #: for fp8 operands the bound tests/test_backend_deepgemm.py holds the deep_gemm backend to.
 CHECK_MAX_REL_ERR = {"bf16": 2e-2, "fp8": 1e-1}
 OUTPUTS = ("y", "dx", "dtopk_w", "dl1", "dl2")

@@ -5,7 +5,7 @@ layout of the inputs, so ``draw_case(seed, ...)`` reproduces any reported failur
 ``deep_gemm_ext.testing.make_inputs`` (the one generator), mutated for the routings it does not
 draw (every slot on one expert, every slot unused, repeated experts within a token).
 
-Error measure (design.md §6): ``||out - ref|| / ||ref||`` against the fp64 reference on upcast
+Error measure (docs/architecture.md, protocol): ``||out - ref|| / ||ref||`` against the fp64 reference on upcast
 inputs, with three refinements that keep small cases meaningful:
 
 - ``d topk_weights[t, k] = <dy[t], o[t, k]>`` is a dot product that can cancel to nearly zero, so
@@ -17,7 +17,7 @@ inputs, with three refinements that keep small cases meaningful:
   behind the output (distinct (token, expert) pairs times the contraction width). Large outputs get
   the bare 1.05x; an output made of a handful of numbers is judged by the absolute bound alone.
 - With ``activation_clamp`` set, elements of ``h`` within one bf16 rounding of ``+-c`` flip the
-  clamp's gradient mask against the fp64 reference (h is stored in bf16, design.md §2), a jump of
+  clamp's gradient mask against the fp64 reference (h is stored in bf16, README, "The contract"), a jump of
   O(1) in those elements of dh. dx and d l1 then carry errors of several percent in every bf16
   implementation (the baseline sees the same flips), so for them the absolute bound is only a sanity
   bound and the baseline comparison is what judges.
@@ -225,7 +225,7 @@ def effective_counts(idx: torch.Tensor, hidden: int, inter: int) -> dict[str, in
 
 
 # ---------------------------------------------------------------------------------------------
-# Criteria (design.md §6).
+# Criteria (docs/architecture.md, "Correctness and timing protocol").
 
 
 @dataclass(frozen=True)

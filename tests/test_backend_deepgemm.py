@@ -300,7 +300,8 @@ CASES = [("bf16", "uniform", None), ("bf16", "unused_slots", 1.0), ("bf16", "emp
 @gpu
 @pytest.mark.parametrize("recipe, routing, clamp", CASES)
 def test_layer_forward_and_backward_match_emulation(recipe, routing, clamp, monkeypatch):
-    """DeepGEMM's errors against the fp64 reference are those of its torch emulation (design.md §6)."""
+    """DeepGEMM's errors against the fp64 reference are those of its torch emulation (docs/architecture.md,
+    protocol)."""
     poison_cached_memory()
     errors = _run_backend(recipe, routing, clamp, "cuda")
     monkeypatch.setattr(deepgemm, "_deep_gemm", TorchDeepGemm)

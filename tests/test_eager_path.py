@@ -100,6 +100,11 @@ def test_double_backward_of_a_linear_loss_raises(monkeypatch, custom_op):
     assert dx.requires_grad
     with pytest.raises(RuntimeError):
         ((dx ** 2).sum() + dge.mega_moe_train(x, idx, w, l1, l2).sum()).backward()
+    # With respect to each input alone, allow_unused included: an error, never a None.
+    (dx,) = torch.autograd.grad((dge.mega_moe_train(x, idx, w, l1, l2) * c).sum(), x, create_graph=True)
+    for target in (x, w, l1, l2):
+        with pytest.raises(RuntimeError):
+            torch.autograd.grad((dx ** 2).sum(), target, allow_unused=True, retain_graph=True)
     # Without create_graph the same gradient, bit for bit.
     (plain,) = torch.autograd.grad((dge.mega_moe_train(x, idx, w, l1, l2) * c).sum(), x)
     assert torch.equal(dx.detach(), plain)

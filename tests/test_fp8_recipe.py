@@ -267,16 +267,35 @@ def test_cache_sees_an_optimizer_step_the_version_counter_misses():
     _assert_fresh(cache, experts.l1, old)
 
 
-def test_cache_entry_goes_with_its_parameter():
-    """No reference to the parameter is held; a dead parameter's entry goes at the next quantization."""
+def test_cache_entry_goes_with_its_weight():
+    """A per-call weight (not a parameter) takes its entry with it; a parameter is not referenced (so that
+    it can be swapped), and its entry goes at a sweep: an optimizer step, or a quantization once the
+    entries have doubled."""
     cache, experts = fp8.WeightCache(), Experts(5)
     cache.get(experts.l1), cache.get(experts.l2)
-    assert len(cache) == 2 and cache.memory_bytes() > 0
+    cast = experts.l2.detach().float().bfloat16()  # what autocast makes per call
+    cache.get(cast)
+    assert len(cache) == 3 and cache.memory_bytes() > 0
+    del cast
+    gc.collect()
+    assert len(cache) == 2
     del experts
     gc.collect()
-    other = Experts(8)
-    cache.get(other.l2)
-    assert len(cache) == 1 and cache.memory_bytes() == other.l2.numel() * 2 + 4 * 2 * E * 2
+    cache.sweep()
+    assert len(cache) == 0 and cache.memory_bytes() == 0
+    # Dead parameters never pile up: the sweep at a quantization keeps the entries within twice the live ones.
+    alive = Experts(8)
+    for seed in range(40):
+        cache.get(Experts(seed).l2)
+        cache.get(alive.l2)
+        assert len(cache) <= 17
+    # And an optimizer step anywhere in the process sweeps the layer's cache.
+    fp8.WEIGHT_CACHE.get(Experts(9).l1)
+    gc.collect()
+    layer = torch.nn.Linear(2, 2)
+    layer(torch.ones(2)).sum().backward()
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    assert all(not entry.storage.expired() for entry in fp8.WEIGHT_CACHE._entries.values())
 
 
 def test_cache_sees_a_new_storage_at_the_old_address():
@@ -702,7 +721,7 @@ def test_recipe_fp8_under_torch_compile_is_bit_equal():
 def test_gpu_layer_recipe_fp8_matches_the_emulation(routing, clamp):
     """The GPU layer under recipe="fp8" (DeepGEMM's kernels where installed, else the emulation on
     torch providers): its error against the fp64 reference within 1.02x (+1e-3) of the fp32 emulated
-    reference layer's (design.md §6), outputs NaN-poisoned first."""
+    reference layer's (docs/architecture.md, protocol), outputs NaN-poisoned first."""
     backends = ["auto", "torch"] + (["deep_gemm"] if _deep_gemm_sm90() else [])
     x, idx, w, l1, l2, dy = _leaves(_case(300, routing, seed=12), torch.bfloat16, "cuda")
     y_ref, g_ref = reference_grads(x, idx, w, l1, l2, clamp, dy)

@@ -35,7 +35,8 @@ def test_cases_are_reproducible():
 
 
 def test_gpu_draws_cover_the_edge_cases():
-    """The GPU fuzz's 256 draws hit every case design.md §6 lists, at legal, bounded sizes."""
+    """The GPU fuzz's 256 draws hit every routing case of docs/architecture.md's protocol, at legal,
+    bounded sizes."""
     cases = [draw_case(seed, "cuda") for seed in range(256)]
     for c in cases:
         assert unsupported_shape_reason(c.hidden, c.intermediate, device_type="cuda") is None, c

@@ -10,7 +10,7 @@ from conftest import poison_cached_memory, requires_cuda
 from gpu_utils import reference_grads
 
 NAMES = ("y", "dx", "dtopk_w", "dl1", "dl2")
-MAX_REL_ERR = 2e-2  # design.md §6
+MAX_REL_ERR = 2e-2  # docs/architecture.md, "Correctness and timing protocol"
 
 
 def _errors(fn, routing, seed, shape=(512, 256, 128, 16, 4)):

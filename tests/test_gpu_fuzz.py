@@ -1,4 +1,4 @@
-"""Seeded GPU fuzz (design.md §6): 256 cases, forward and all four gradients against the fp64
+"""Seeded GPU fuzz (docs/architecture.md, protocol): 256 cases, forward and all four gradients against the fp64
 reference, within 2e-2 and no worse than 1.05x the grouped_mm baseline's own error, outputs
 NaN-poisoned before every run. Sizes stay modest (T <= 2048, H, I <= 1024, E <= 64) so the
 module runs in well under five minutes on an H200 once the JIT kernels are built.

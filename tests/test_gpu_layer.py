@@ -1,4 +1,4 @@
-"""GPU path vs the fp64 reference (design.md §6): y and all four gradients, NaN-poisoned outputs,
+"""GPU path vs the fp64 reference (docs/architecture.md, protocol): y and all four gradients, NaN-poisoned outputs,
 error no worse than 1.05x the grouped_mm baseline's own error on the same inputs."""
 import pytest
 import torch

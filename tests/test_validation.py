@@ -95,6 +95,8 @@ def test_routing_and_reference_helpers_check_their_arguments():
         dge.compute_routing_torch(idx, 4, 0)
     with pytest.raises(ValueError, match=r"num_experts=-1: expected a positive int"):
         dge.compute_routing_torch(idx, -1, 1)
+    with pytest.raises(TypeError, match=r"num_experts=4.0: expected a positive int"):
+        dge.compute_routing_torch(idx, 4.0, 1)
     x, _, w, l1, l2 = make_inputs(2, 16, 8, 4, 2, requires_grad=False, seed=0)
     with pytest.raises(TypeError, match=r"topk_idx has dtype torch.float32; expected an integer dtype"):
         dge.reference_forward(x, idx.float(), w, l1, l2)

@@ -1,6 +1,6 @@
 """Token exchange: how tokens reach the experts that own them, and results come back.
 
-An exchange has four pieces the layer calls (design.md §5); none of them is differentiated by
+An exchange has four pieces the layer calls (README, "Expert parallelism"); none of them is differentiated by
 autograd, the layer's backward calls the adjoints itself:
 
     dispatch(x, topk_idx, topk_weights) -> (x_r, idx_r, w_r, handle)   tokens to their experts' ranks

@@ -219,7 +219,8 @@ def default_ep_buffer(group, num_tokens: int, hidden: int, top_k: int, dtype: to
     if bad:
         if group.rank() in bad and ids_error is not None:
             ids_error()
-        raise ValueError(f"topk_idx of rank(s) {bad} holds expert ids outside [-1, num_experts); expected global "
+        limit = "num_experts" if num_local_experts is None else group.size() * num_local_experts
+        raise ValueError(f"topk_idx of rank(s) {bad} holds expert ids outside [-1, {limit}); expected global "
                          f"ids in [-1, W * E_loc) (-1 marks an unused slot)")
     if checked:
         _raise_on_disagreement([entry[1:-1] for entry in table], _CALL_COLUMNS,

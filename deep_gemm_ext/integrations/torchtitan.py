@@ -66,14 +66,14 @@ class MegaGroupedExperts(nn.Module):
         options = dict(activation_clamp=self.activation_clamp, backend=self.backend)
         inputs = x if autocast_enabled(x.device.type) else x.to(l1.dtype)
         if not self.score_before_experts:
-            return experts_forward(inputs, topk_idx, topk_scores, l1, w2, **options).to(x.dtype)
+            return experts_forward(inputs, topk_idx, topk_scores, l1, w2, checked=True, **options).to(x.dtype)
         top_k, hidden = topk_idx.shape[-1], x.shape[-1]
         flat = inputs.reshape(-1, 1, hidden)
         acc = torch.promote_types(flat.dtype, torch.float32)  # torchtitan scales in fp32
         scaled = (flat.to(acc) * topk_scores.reshape(-1, top_k, 1).to(acc)).to(flat.dtype)
         slot_idx = topk_idx.reshape(-1, 1)
         ones = torch.ones(slot_idx.shape, device=x.device, dtype=torch.float32)
-        per_slot = experts_forward(scaled.reshape(-1, hidden), slot_idx, ones, l1, w2, **options)
+        per_slot = experts_forward(scaled.reshape(-1, hidden), slot_idx, ones, l1, w2, checked=True, **options)
         y = per_slot.view(-1, top_k, hidden).to(acc).sum(dim=1)
         return y.to(x.dtype).view(x.shape)
 

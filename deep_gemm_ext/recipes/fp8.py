@@ -50,6 +50,7 @@ registers with the scales applied, so the two differ by fp32 rounding only.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -280,6 +281,7 @@ _optimizer_steps = 0
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
+    WEIGHT_CACHE.sweep()  # a deleted model's copies go by the next step at the latest (O(entries) a step)
 
 
 # Every torch.optim step anywhere in the process ages the cache: FSDP2 refills its all-gathered
@@ -292,10 +294,11 @@ class _Entry:
     storage: StorageWeakRef  # the weight's storage: a new one at a recycled address is another weight
     signature: tuple
     weights: Fp8ExpertWeights
+    ref: weakref.ref | None = None  # a non-parameter's (a per-call cast or cat): its entry dies with it
 
     def serves(self, weight: torch.Tensor, signature: tuple) -> bool:
-        return (self.signature == signature and self.storage.cdata == weight.untyped_storage()._cdata
-                and not self.storage.expired())
+        return (self.signature == signature and (self.ref is None or self.ref() is weight)
+                and self.storage.cdata == weight.untyped_storage()._cdata and not self.storage.expired())
 
 
 class WeightCache:
@@ -308,11 +311,13 @@ class WeightCache:
     strides, dtype and device, and the count of ``torch.optim`` steps taken in the process; any
     change re-quantizes. The step count covers what the version counter misses: FSDP2 refills the
     unsharded parameters it all-gathers without bumping their counter, and the values change only
-    when an optimizer steps the shards. No reference to the tensor itself is held (a Python weak
-    reference would make ``torch.utils.swap_tensors``, and with it ``Module.to`` /
-    ``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion``, refuse the
-    parameter): the entries of weights whose storage died are dropped at the next quantization, or
-    by :meth:`clear`.
+    when an optimizer steps the shards. A tensor that is not an ``nn.Parameter`` (a weight made per
+    call: a cast under autocast, torchtitan's ``cat(w1, w3)``) is held by a weak reference, and its
+    entry goes when it dies. A parameter is not referenced at all (a weak reference would make
+    ``torch.utils.swap_tensors``, and with it ``Module.to`` / ``load_state_dict`` under
+    ``torch.__future__.set_swap_module_params_on_conversion``, refuse it): the entries of parameters
+    whose storage died are dropped by a sweep at later quantizations (amortised: when the entries
+    have doubled since the last one), or by :meth:`clear`.
     Not seen, so call :meth:`invalidate` or :meth:`clear` after them: writes through ``t.data``
     (``t.data.mul_(2)`` bumps a separate counter), and, under FSDP2, a ``load_state_dict`` after
     the first forward. Inference tensors have no version counter and are quantized on every call;
@@ -323,6 +328,7 @@ class WeightCache:
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
+        self._sweep_at = 16  # entries at which a quantization first sweeps out the dead ones
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -342,11 +348,25 @@ class WeightCache:
         if entry is not None and entry.serves(weight, signature):
             return entry.weights
         self._entries.pop(key, None)  # free the stale copy before building the new one
-        for dead in [k for k, e in self._entries.items() if e.storage.expired()]:
-            del self._entries[dead]
+        if len(self._entries) >= self._sweep_at:
+            self.sweep()
+            self._sweep_at = max(16, 2 * len(self._entries))
         weights = Fp8ExpertWeights.from_bf16(weight)
-        self._entries[key] = _Entry(StorageWeakRef(weight.untyped_storage()), signature, weights)
+        ref = None if isinstance(weight, torch.nn.Parameter) else weakref.ref(weight, self._forget(key))
+        self._entries[key] = _Entry(StorageWeakRef(weight.untyped_storage()), signature, weights, ref)
         return weights
+
+    def _forget(self, key: int):
+        def callback(ref: weakref.ref) -> None:
+            entry = self._entries.get(key)
+            if entry is not None and entry.ref is ref:
+                del self._entries[key]
+        return callback
+
+    def sweep(self) -> None:
+        """Drop the entries whose weight's storage has died (a deleted model's parameters)."""
+        for dead in [key for key, entry in self._entries.items() if entry.storage.expired()]:
+            del self._entries[dead]
 
     def invalidate(self, weight: torch.Tensor) -> None:
         """Drop ``weight``'s entry (after a write the version counter does not see)."""
@@ -457,7 +477,7 @@ def emulated_k_grouped(a: torch.Tensor, b: torch.Tensor, starts, ends, fp8_opera
 def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         l1_weights: torch.Tensor, l2_weights: torch.Tensor, activation_clamp: float | None,
                         dy: torch.Tensor, *, wgrad: str = "fp8", quantize: bool = True):
-    """The layer of design.md §2 under the fp8 recipe, in fp32 torch on any device.
+    """The layer of README, "The contract" under the fp8 recipe, in fp32 torch on any device.
 
     Returns ``(y, dx, d_topk_weights, d_l1, d_l2)`` (fp32) for the output gradient ``dy``, with
     the kernels' quantization points over the 128-aligned pool:
