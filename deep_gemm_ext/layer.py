@@ -1,4 +1,4 @@
-"""The MoE layer of README, "The contract", forward and backward, written once over a plan's parts.
+"""The MoE layer of the README's contract, forward and backward, written once over a plan's parts.
 
     forward:   exchange.dispatch -> routing -> L1 GEMM -> SwiGLU -> L2 GEMM -> combine -> exchange.combine
     backward:  exchange.combine_backward -> L2 dgrad -> SwiGLU backward (d topk_weights = <da', act>)

@@ -1,4 +1,4 @@
-"""The MoE layer contract (README, "The contract") in plain torch: the one place where the math is written out.
+"""The MoE layer's contract (README, "The contract") in plain torch: the one place where the math is written out.
 
 Everything here is differentiable with ordinary autograd and runs on any device and dtype; tests
 run it in float64 on upcast inputs as the ground truth for every implementation.

@@ -17,7 +17,7 @@ inputs, with three refinements that keep small cases meaningful:
   behind the output (distinct (token, expert) pairs times the contraction width). Large outputs get
   the bare 1.05x; an output made of a handful of numbers is judged by the absolute bound alone.
 - With ``activation_clamp`` set, elements of ``h`` within one bf16 rounding of ``+-c`` flip the
-  clamp's gradient mask against the fp64 reference (h is stored in bf16, README, "The contract"), a jump of
+  clamp's gradient mask against the fp64 reference (h is stored in bf16), a jump of
   O(1) in those elements of dh. dx and d l1 then carry errors of several percent in every bf16
   implementation (the baseline sees the same flips), so for them the absolute bound is only a sanity
   bound and the baseline comparison is what judges.

@@ -477,7 +477,7 @@ def emulated_k_grouped(a: torch.Tensor, b: torch.Tensor, starts, ends, fp8_opera
 def fp8_reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         l1_weights: torch.Tensor, l2_weights: torch.Tensor, activation_clamp: float | None,
                         dy: torch.Tensor, *, wgrad: str = "fp8", quantize: bool = True):
-    """The layer of README, "The contract" under the fp8 recipe, in fp32 torch on any device.
+    """The layer of the README's contract under the fp8 recipe, in fp32 torch on any device.
 
     Returns ``(y, dx, d_topk_weights, d_l1, d_l2)`` (fp32) for the output gradient ``dy``, with
     the kernels' quantization points over the 128-aligned pool:
