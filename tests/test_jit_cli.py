@@ -118,3 +118,10 @@ def test_load_registered_loads_what_the_cli_builds():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     count = int(proc.stdout.split()[1])
     assert count >= 15, proc.stdout  # the exchange's 15 at least
+
+
+def test_cli_refuses_an_empty_only(capsys):
+    """``--only ''`` would match every configuration: an argument error, not a silent --all."""
+    with pytest.raises(SystemExit):
+        cli.main(["build", "--only", ""])
+    assert "--only '' matches every configuration" in capsys.readouterr().err

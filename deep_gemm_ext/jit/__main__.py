@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.all and not args.only:
         parser.error("build: give --all or at least one --only")
+    if any(not text for text in args.only):
+        parser.error("build: --only '' matches every configuration; give part of a name, or --all")
     # With --all a module that fails to import is a failure; with --only it is reported only.
     import_failures = [f"{name}: {type(exc).__name__}: {exc}" for name, exc in import_kernel_modules().items()]
     for failure in import_failures:

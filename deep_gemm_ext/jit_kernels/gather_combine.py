@@ -67,15 +67,34 @@ def _check_cuda(label: str, tensor) -> None:
 
 def _check_index(label: str, tensor, device) -> None:
     _check_cuda(label, tensor)
-    if tensor.dtype != torch.int32 or tensor.dim() != 1:
-        raise ValueError(f"{label}: expected a 1-D int32 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    if tensor.dtype != torch.int32 or tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"{label}: expected a contiguous 1-D int32 tensor, got {tensor.dtype} {tuple(tensor.shape)} "
+                         f"(strides {tensor.stride()})")
     if tensor.device != device:
         raise ValueError(f"{label}: on {tensor.device}, expected {device}")
+    _check_int32(f"{label}'s length", tensor.shape[0])
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_int32(label: str, value: int) -> None:
+    """Sizes the kernels take as (or compute in) 32-bit ints."""
+    if value > _INT32_MAX:
+        raise ValueError(f"{label}={value}: expected at most 2^31 - 1 (the kernels index in 32-bit ints)")
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` contiguous and at a 16-byte aligned address (the kernels move 16-byte vectors): a copy
+    where a view starts mid-vector."""
+    tensor = tensor.contiguous()
+    return tensor.clone() if tensor.data_ptr() % 16 else tensor
 
 
 def _check_top_k(top_k, limit: int | None = None) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (limit is not None and top_k > limit):
-        raise ValueError(f"top_k={top_k!r}: expected an int in [1, {limit or 'inf'}]")
+    limit = _INT32_MAX if limit is None else limit
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or top_k > limit:
+        raise ValueError(f"top_k={top_k!r}: expected an int in [1, {limit}]")
 
 
 def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, stream_stores: bool = False,
@@ -106,8 +125,11 @@ def gather_rows(x: torch.Tensor, row_to_slot: torch.Tensor, top_k: int, *, strea
         if slot_to_row.shape[0] != x.shape[0] * top_k:
             raise ValueError(f"slot_to_row: {slot_to_row.shape[0]} slots, expected T * top_k = {x.shape[0]} * "
                              f"{top_k} = {x.shape[0] * top_k}")
-    x = x.contiguous()
+    x = _aligned(x)
     num_tokens, hidden = x.shape
+    _check_int32("x.shape[0] (tokens)", num_tokens)
+    _check_int32("x's row bytes", hidden * elem)
+    _check_int32("tokens * top_k", num_tokens * top_k)
     rows = row_to_slot.shape[0]
     pool = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     if rows == 0 or hidden == 0:
@@ -164,8 +186,10 @@ def _combine(o, slot_to_row, weights, top_k, *, slot_order: bool) -> torch.Tenso
             raise ValueError(f"weights: expected float32 ({num_tokens}, {top_k}) on {o.device}, got "
                              f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
         weights = weights.contiguous()
-    o = o.contiguous()
+    o = _aligned(o)
     rows, hidden = o.shape
+    _check_int32(f"{label}.shape[0] (rows)", rows)
+    _check_int32(f"{label}'s row bytes", hidden * 2)
     y = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=o.device)
     if num_tokens == 0 or hidden == 0:
         return y
@@ -187,8 +211,12 @@ def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     if out.dim() != 2 or not out.is_contiguous() or (out.shape[1] * out.element_size()) % 16:
         raise ValueError(f"out: expected a contiguous [rows, N] tensor with rows of a multiple of 16 bytes, got "
                          f"{out.dtype} {tuple(out.shape)} (contiguous={out.is_contiguous()})")
+    if out.data_ptr() % 16:
+        raise ValueError(f"out: starts at address {out.data_ptr():#x}, not 16-byte aligned; expected an aligned "
+                         f"tensor (the kernel stores 16-byte vectors)")
     _check_index("ends", ends, out.device)
     rows, row_vecs = out.shape[0], out.shape[1] * out.element_size() // 16
+    _check_int32("out's row vectors", row_vecs)
     if rows == 0 or row_vecs == 0:
         return out
     if ends.shape[0] == 0:

@@ -744,8 +744,9 @@ def _check_scatter(scatter: Scatter | None, rows: int, device: torch.device) -> 
             raise ValueError(f"scatter.{label}: expected a float32 tensor of {what} elements, "
                              f"got {w.dtype if isinstance(w, torch.Tensor) else type(w).__name__} "
                              f"{tuple(w.shape) if isinstance(w, torch.Tensor) else ''}")
-        if label == "row_weights" and w.dim() != 1:
-            raise ValueError(f"scatter.row_weights: shape {tuple(w.shape)}, expected ({rows},)")
+        if label == "row_weights" and (w.dim() != 1 or not w.is_contiguous()):
+            raise ValueError(f"scatter.row_weights: shape {tuple(w.shape)}, strides {w.stride()}, expected a "
+                             f"contiguous ({rows},) tensor")
         if w.device != device:
             raise ValueError(f"scatter.{label}: on {w.device}, expected {device}")
 
@@ -897,6 +898,9 @@ def _store_or_scatter_args(out: torch.Tensor, scatter: Scatter | None, rows: int
     """The kernel arguments of the store epilogue (a TMA map of ``out``) or of the slot-scatter one."""
     if scatter is None:
         return dict(tma_c=jit.make_tma_2d(out, 64, 64))
+    if out.data_ptr() % 16:  # an address: checked on every call, not by the checks' key
+        raise ValueError(f"out: starts at address {out.data_ptr():#x}, not 16-byte aligned; expected an aligned "
+                         f"tensor (the slot-scatter epilogue stores 16-byte vectors)")
     weights = scatter.row_weights
     if weights is None and scatter.weights is not None:
         weights = take_or_zero(scatter.weights.reshape(-1).contiguous(), scatter.row_to_slot)

@@ -71,7 +71,14 @@ def _check_backward_args(h, da, row_weight):
                          f"{tuple(getattr(row_weight, 'shape', ()))} on {getattr(row_weight, 'device', None)}")
     if da.device != h.device:
         raise ValueError(f"da: on {da.device}, expected {h.device} like h")
-    return h.contiguous(), da.contiguous(), row_weight.contiguous()
+    return _aligned(h), _aligned(da), row_weight.contiguous()
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """Contiguous at a 16-byte aligned address (the kernels read 16-byte vectors): a copy where a view
+    starts mid-vector."""
+    tensor = tensor.contiguous()
+    return tensor.clone() if tensor.data_ptr() % 16 else tensor
 
 
 def _grid(work_items: int, items_per_cta: int, device) -> tuple[int, int, int]:
@@ -82,7 +89,7 @@ def swiglu_forward(h: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
     """act [P, I] = silu(min(g, c)) * clamp(u, -c, c) for h = [g | u] of shape [P, 2I], bf16."""
     _check_bf16_matrix("h", h, 16)
     c = _check_clamp(clamp)
-    h = h.contiguous()
+    h = _aligned(h)
     rows, inter = h.shape[0], h.shape[1] // 2
     act = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device)
     if rows == 0 or inter == 0:

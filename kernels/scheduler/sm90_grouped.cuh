@@ -146,6 +146,10 @@ struct GroupedScheduler {
         if constexpr (kType == GroupedGemmType::MGroupedContiguous) {
             const uint32_t used_rows = num_experts > 0 ? static_cast<uint32_t>(__ldg(ends + num_experts - 1)) : 0;
             num_m_blocks = ceil_div(used_rows, BLOCK_M);
+            // m_order holds one entry per block of the pool: ends past the pool (not checked on the host,
+            // which would sync) must not walk past it.
+            if constexpr (kOrderedM)
+                num_m_blocks = min(num_m_blocks, ceil_div(shape_m, BLOCK_M));
             num_m_units = ceil_div(num_m_blocks, kUnitM);
             num_tiles = num_m_units * num_n_blocks;
         } else {
