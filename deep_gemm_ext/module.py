@@ -131,7 +131,10 @@ class MegaMoE(nn.Module):
         # would reject fails here rather than at the first forward.
         num_local = num_experts // world
 
-        def meta(*shape, dtype=torch.bfloat16):
+        # An fp64 module computes in fp64 (its clamp may exceed fp32's range); the rest as bf16 calls do.
+        float_dtype = torch.float64 if dtype == torch.float64 else torch.bfloat16
+
+        def meta(*shape, dtype=float_dtype):
             return torch.empty(shape, device="meta", dtype=dtype)
 
         validate_inputs(meta(0, hidden), meta(0, top_k, dtype=torch.int64), meta(0, top_k, dtype=torch.float32),

@@ -24,6 +24,9 @@ class MoEShape:
     group: object = None  # the expert-parallel ProcessGroup (a DeviceMesh resolved), or None
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -100,6 +103,9 @@ def validate_inputs(x, topk_idx, topk_weights, l1_weights, l2_weights, *, group=
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
     if topk_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"topk_idx has dtype {topk_idx.dtype}; expected torch.int64 or torch.int32")
+    if activation_clamp is not None and x.dtype != torch.float64 and activation_clamp > _FP32_MAX:
+        raise ValueError(f"activation_clamp={activation_clamp} exceeds the float32 range ({_FP32_MAX:.6g}) the layer "
+                         f"computes in for x of dtype {x.dtype}; expected at most that, or None (no clamp)")
     weight_dtypes = (torch.float32,) if x.dtype != torch.float64 else (torch.float32, torch.float64)
     if topk_weights.dtype not in weight_dtypes:
         raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected one of {weight_dtypes}")

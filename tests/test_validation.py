@@ -43,6 +43,7 @@ CASES = [
     (dict(activation_clamp=float("inf")), ValueError, r"activation_clamp=inf"),
     (dict(activation_clamp="7"), TypeError, r"activation_clamp must be a float or None"),
     (dict(activation_clamp=10 ** 400), ValueError, r"activation_clamp=1000.* must be a finite positive"),
+    (dict(activation_clamp=1e39), ValueError, r"activation_clamp=1e\+39 exceeds the float32 range \(3.40282e\+38\)"),
     (dict(l1_weights=BASE["l1_weights"][:, :0], l2_weights=BASE["l2_weights"][:, :, :0]), ValueError,
      r"hidden=16 and intermediate=0 must be positive"),
 ]

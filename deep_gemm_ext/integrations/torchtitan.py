@@ -37,7 +37,10 @@ class MegaGroupedExperts(nn.Module):
         if not isinstance(score_before_experts, bool):
             raise TypeError(f"score_before_experts must be a bool, got {type(score_before_experts).__name__}")
 
-        def meta(*shape, dtype=torch.bfloat16):
+        # An fp64 module computes in fp64 (its clamp may exceed fp32's range); the rest as bf16 calls do.
+        float_dtype = torch.float64 if dtype == torch.float64 else torch.bfloat16
+
+        def meta(*shape, dtype=float_dtype):
             return torch.empty(shape, device="meta", dtype=dtype)
 
         # mega_moe_train's checks of the options, once, here rather than at the first forward.
