@@ -185,6 +185,14 @@ def fp8_wgrad() -> str | None:
     return value
 
 
+def fp8_weight_kernel() -> bool:
+    """DGE_FP8_WEIGHT_KERNEL: 1 quantizes bf16 CUDA expert weights (once per weight version) with the JIT
+    kernel that writes both 128x128-block copies in one pass (``jit_kernels.quantize_weight_blocks_fp8``,
+    the same bits as the torch quantizer by construction); default 0, the torch quantizer, until the
+    kernel's GPU test and timing have run."""
+    return _flag("DGE_FP8_WEIGHT_KERNEL", default=False)
+
+
 def eager_custom_op() -> bool:
     """DGE_EAGER_CUSTOM_OP: 1 routes eager calls of the layer through its ``torch.library`` custom
     ops, as under torch.compile. Default off: eager calls with plain CPU / CUDA tensors (no tensor

@@ -777,3 +777,62 @@ def test_compiles_for_sm90a_without_spills(name, code):
     # cp.async copies into shared memory.
     loads = "LDGSTS.E.BYPASS.128" if name.startswith("fp8_quant_swiglu_bwd_t_") else "LDG.E.NA.128"
     assert loads in sass, f"{name}: no 16-byte {loads} in its SASS"
+
+
+# -- quantize_weight_blocks_fp8 --------------------------------------------------------------------
+
+
+def _make_weights(e: int, n: int, k: int, seed: int, special: bool = True) -> torch.Tensor:
+    """bf16 [e, n, k] on the GPU: per-block magnitudes 2^-40 .. 2^40, and (special) every third 128x128
+    block one of the special kinds in turn (its 128 x 128 values drawn as one flat tile)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=gen)
+    nb, kb = n // 128, k // 128
+    count = 0
+    for b in range(e * nb * kb):
+        ex, rest = divmod(b, nb * kb)
+        bn, bk = divmod(rest, kb)
+        block = w[ex, bn * 128:(bn + 1) * 128, bk * 128:(bk + 1) * 128]
+        block *= 2.0 ** int(torch.randint(-40, 41, (1,), generator=gen))
+        if special and b % 3 == 0:
+            block.copy_(_special_tile(SPECIAL_KINDS[count % len(SPECIAL_KINDS)], 128 * 128, gen).view(128, 128))
+            count += 1
+    return w.bfloat16().to(DEVICE)
+
+
+@requires_hopper
+@pytest.mark.parametrize("special", [False, True], ids=["random", "special"])
+@pytest.mark.parametrize("e,n,k", [(1, 128, 128), (3, 256, 384), (2, 1536, 2048), (4, 512, 128), (0, 256, 128)])
+def test_quantize_weight_blocks_matches_torch(prebuilt, e, n, k, special):
+    """Both copies bit for bit what Fp8ExpertWeights.from_bf16's torch path makes: nk = quantize_weight_blocks(w),
+    kn its transpose (bytes and scale grid)."""
+    seed = 300 + e * 7 + n // 128 + k // 128 + 50 * special
+    w = _make_weights(e, n, k, seed, special)
+    ref_data, ref_scale = fp8.quantize_weight_blocks(w)
+    poison_cached_memory(0xFF)
+    nk, nk_scale, kn, kn_scale = fp8_quant.quantize_weight_blocks_fp8(w)
+    what = f"quantize_weight_blocks_fp8 [{e}, {n}, {k}] special={special} seed={seed}"
+    _assert_bit_equal((nk, nk_scale), (ref_data, ref_scale), what + " nk")
+    _assert_bit_equal((kn, kn_scale), (ref_data.transpose(1, 2).contiguous(), ref_scale.transpose(1, 2).contiguous()),
+                      what + " kn")
+
+
+@requires_hopper
+def test_weight_cache_takes_the_kernel_when_asked(prebuilt, monkeypatch):
+    """DGE_FP8_WEIGHT_KERNEL=1: Fp8ExpertWeights.from_bf16 through the one-pass kernel, the same bits as the
+    torch path; a view at an odd offset is copied first."""
+    w = _make_weights(2, 256, 384, seed=410)
+    torch_path = fp8.Fp8ExpertWeights.from_bf16(w)
+    monkeypatch.setenv("DGE_FP8_WEIGHT_KERNEL", "1")
+    kernel_path = fp8.Fp8ExpertWeights.from_bf16(w)
+    for got, ref, name in ((kernel_path.nk, torch_path.nk, "nk"), (kernel_path.kn, torch_path.kn, "kn")):
+        _assert_bit_equal(got, ref, name)
+    flat = torch.empty(w.numel() + 1, dtype=torch.bfloat16, device=DEVICE)
+    offset = flat[1:].view_as(w)
+    offset.copy_(w)
+    _assert_bit_equal(fp8_quant.quantize_weight_blocks_fp8(offset)[:2], torch_path.nk, "offset view")
+
+
+def test_quantize_weight_blocks_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="w: expected a CUDA tensor"):
+        fp8_quant.quantize_weight_blocks_fp8(torch.zeros(1, 128, 128, dtype=torch.bfloat16))

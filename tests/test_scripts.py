@@ -108,6 +108,39 @@ def test_bench_rows_do_not_inherit_the_fp8_weight_cache():
     assert seen and seen[0] == 0
 
 
+def test_bench_requantizing_row_quantizes_the_weights_in_every_call(monkeypatch):
+    """auto+requant: every call's weights are a new version (an optimizer step before it), so each call
+    quantizes l1 and l2 once, where the cached row quantizes them in its first call only."""
+    from deep_gemm_ext.recipes import fp8
+    inputs = make_inputs(16, 128, 128, 4, 2, device="cpu", seed=3)
+    calls = []
+    real = fp8.Fp8ExpertWeights.from_bf16
+    monkeypatch.setattr(fp8.Fp8ExpertWeights, "from_bf16", classmethod(lambda cls, w: calls.append(1) or real(w)))
+    impls = bench.implementations(False, compiled=False)
+    for backend, per_call in (("auto", False), ("auto+requant", True)):
+        fp8.WEIGHT_CACHE.clear()
+        fn = impls[("ours", backend, "fp8")].fn
+        calls.clear()
+        for _ in range(3):
+            fn(*inputs).sum().backward()
+        assert len(calls) == (6 if per_call else 2), backend
+
+
+def test_bench_fp8_rows_are_bounded_by_the_emulation():
+    """An fp8 row is timed only within 1.02x (+1e-3) of the fp32 emulation's error (the protocol); bf16 rows
+    within the fixed bound."""
+    emulated = dict.fromkeys(bench.OUTPUTS, 0.065)
+    assert bench.error_bounds("fp8", "auto", emulated) == dict.fromkeys(bench.OUTPUTS, 1.02 * 0.065 + 1e-3)
+    assert bench.error_bounds("fp8", "deep_gemm", emulated)["y"] == pytest.approx(1.1 * 0.065 + 2e-3)
+    assert bench.error_bounds("bf16", "auto", None) == dict.fromkeys(bench.OUTPUTS, 2e-2)
+    impl = bench.Impl(bench._ours(recipe="fp8"))
+    errors, emulated = bench.check_errors(impl, "cpu", bench.DRY_RUN, emulate_fp8=True)  # 128 x 128 blocks
+    bounds = bench.error_bounds("fp8", "auto", emulated)
+    assert all(errors[name] <= bounds[name] for name in bench.OUTPUTS), (errors, bounds)
+    # The emulation layer itself is what the CPU row runs: its error is the emulation's, to rounding.
+    assert all(abs(errors[name] - emulated[name]) <= 1e-6 + 1e-3 * emulated[name] for name in bench.OUTPUTS)
+
+
 def test_bench_energy_column_is_power_times_time(capsys):
     """J per forward+backward: the median power times the median time; "-" without NVML readings."""
     read = dict(sm_mhz=1590.4, power_w=738.25, power_capped=1.0)

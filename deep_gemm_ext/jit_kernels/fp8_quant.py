@@ -133,10 +133,17 @@ _SWIGLU_BWD_T = {clamp: (f"fp8_quant_swiglu_bwd_t_{'clamp' if clamp else 'plain'
                  for clamp in (False, True)}
 
 
+_WEIGHT_ARGS = (KernelArg("w", "const __nv_bfloat16*"), KernelArg("nk", "unsigned char*"),
+                KernelArg("nk_scale", "float*"), KernelArg("kn", "unsigned char*"), KernelArg("kn_scale", "float*"),
+                KernelArg("num_experts", "unsigned int"), KernelArg("n", "unsigned int"), KernelArg("k", "unsigned int"))
+_WEIGHTS = ("fp8_quant_weight_blocks", _INCLUDE + ("template __global__ void dge::quantize_weight_blocks_kernel<8>"
+                                                    f"({jit.render_types(_WEIGHT_ARGS)});\n"))
+
+
 @jit.register("fp8_quant")
 def configs():
     return [(name, code, False) for name, code in [*_ROWS.values(), _TOKEN_ROWS, _COLS, *_COLS_T.values(),
-                                                   *_SWIGLU_BWD.values(), *_SWIGLU_BWD_T.values()]]
+                                                   *_SWIGLU_BWD.values(), *_SWIGLU_BWD_T.values(), _WEIGHTS]]
 
 
 def num_blocks(size: int) -> int:
@@ -525,3 +532,34 @@ def swiglu_backward_fp8_t(h: torch.Tensor, da: torch.Tensor, row_weight: torch.T
             dh_scale=dh_scale, dht_data=dht_data, dht_scale=dht_scale, awt_data=awt_data, awt_scale=awt_scale,
             num_rows=num_rows, out_rows=rows, inter=inter, clamp=c), smem=_SWIGLU_BWD_T_SMEM)
     return outputs
+
+
+def quantize_weight_blocks_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert weights in 128x128 blocks, both K-major copies in one pass: ``w [E, N, K]`` bf16 (N and K
+    multiples of 128) -> ``(nk [E, N, K] e4m3, nk_scale [E, N/128, K/128] fp32, kn [E, K, N] e4m3,
+    kn_scale [E, K/128, N/128] fp32)``, bit for bit ``recipes.fp8.quantize_weight_blocks(w)`` and its
+    transposes (``Fp8ExpertWeights.from_bf16``'s two copies), reading w once."""
+    if not isinstance(w, torch.Tensor) or not w.is_cuda:
+        raise ValueError(f"w: expected a CUDA tensor, got {_describe(w)}")
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"w: dtype {w.dtype}, expected torch.bfloat16")
+    if w.dim() != 3 or w.shape[1] % FP8_BLOCK or w.shape[2] % FP8_BLOCK:
+        raise ValueError(f"w: shape {tuple(w.shape)}, expected [E, N, K] with N and K multiples of {FP8_BLOCK}")
+    experts, n, k = w.shape
+    blocks = experts * (n // FP8_BLOCK) * (k // FP8_BLOCK)
+    if blocks > _MAX_ITEMS or max(experts, n, k) >= 2 ** 31:
+        raise ValueError(f"w: shape {tuple(w.shape)} makes {blocks} blocks of 128 x 128; expected at most {_MAX_ITEMS}")
+    if not w.is_contiguous() or w.data_ptr() % 16:
+        w = w.clone(memory_format=torch.contiguous_format)
+    nk = torch.empty(experts, n, k, dtype=FP8_DTYPE, device=w.device)
+    kn = torch.empty(experts, k, n, dtype=FP8_DTYPE, device=w.device)
+    nk_scale = torch.empty(experts, n // FP8_BLOCK, k // FP8_BLOCK, dtype=torch.float32, device=w.device)
+    kn_scale = torch.empty(experts, k // FP8_BLOCK, n // FP8_BLOCK, dtype=torch.float32, device=w.device)
+    if blocks == 0:
+        return nk, nk_scale, kn, kn_scale
+    kernel = jit.build(*_WEIGHTS)
+    with jit.device_guard(w):
+        kernel.launch_bytes(_grid(kernel, blocks, w.device), (_THREADS, 1, 1), *jit.pack_bytes(
+            _WEIGHTS[0], _WEIGHT_ARGS, w=w, nk=nk, nk_scale=nk_scale, kn=kn, kn_scale=kn_scale,
+            num_experts=experts, n=n, k=k))
+    return nk, nk_scale, kn, kn_scale

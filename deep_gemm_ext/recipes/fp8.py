@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import elementwise
+from .. import _env, elementwise
 from ..reference import swiglu
 from ..routing import compute_routing_torch
 
@@ -248,6 +248,12 @@ class Fp8ExpertWeights:
         if w.shape[1] % FP8_BLOCK or w.shape[2] % FP8_BLOCK:
             raise ValueError(f"expert weights must be [E, N, K] with N and K multiples of {FP8_BLOCK} "
                              f"for fp8, got shape {tuple(w.shape)}")
+        if w.is_cuda and w.dtype == torch.bfloat16 and _env.fp8_weight_kernel() and _env.use_jit_kernels():
+            # One pass writing both copies (DGE_FP8_WEIGHT_KERNEL=1): the same bits as the torch quantizer.
+            from ..jit_kernels.fp8_quant import quantize_weight_blocks_fp8
+
+            nk, nk_scale, kn, kn_scale = quantize_weight_blocks_fp8(w.detach())
+            return cls(nk=(nk, nk_scale), kn=(kn, kn_scale))
         with torch.no_grad():
             data, scale = quantize_weight_blocks(w.detach())
         return cls(nk=(data, scale),

@@ -885,4 +885,91 @@ quantize_cols_t_kernel(const __nv_bfloat16* __restrict__ x, const int* __restric
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// 128x128 blocks of expert weights, both K-major copies in one pass: w [E, N, K] bf16 (N and K multiples of
+// 128) -> nk data [E, N, K] e4m3 with nk_scale [E, N/128, K/128], and its transpose kn data [E, K, N] with
+// kn_scale [E, K/128, N/128] (a 128x128 block transposes exactly: the same bytes, the same scale), bit for
+// bit recipes.fp8.quantize_weight_blocks and the transposed copies of Fp8ExpertWeights.from_bf16.
+// One CTA step per block: thread (row group rg = tid / 16, column vector cv = tid % 16) loads rows
+// 8 rg .. 8 rg + 7 of columns 8 cv .. 8 cv + 7 (a warp's load covers two rows of 256 bytes); the block's
+// finite amax is reduced across the CTA; each row's eight bytes leave as one 8-byte store, and the
+// thread's 8 x 8 bytes, transposed in registers, as eight 8-byte stores to the kn rows (16 threads write
+// a kn row's 128 bytes; L2 merges their sectors).
+constexpr int kFp8WeightColVecs = kFp8Block / kBf16PerVec;
+
+// Byte j of each of four words, packed: bytes i = 0..3 of the result are byte j of words a, b, c, d.
+__device__ __forceinline__ u32 gather_byte(u32 a, u32 b, u32 c, u32 d, u32 j) {
+    const u32 pair = j | ((j + 4) << 4);
+    return __byte_perm(__byte_perm(a, b, pair), __byte_perm(c, d, pair), 0x5410);
+}
+
+template <int kRowsPerThread>
+__global__ void __launch_bounds__(kFp8QuantThreads)
+quantize_weight_blocks_kernel(const __nv_bfloat16* __restrict__ w, unsigned char* __restrict__ nk,
+                              float* __restrict__ nk_scale, unsigned char* __restrict__ kn,
+                              float* __restrict__ kn_scale, u32 num_experts, u32 n, u32 k) {
+    static_assert(kRowsPerThread == 8 && kFp8WeightColVecs * (kFp8Block / kRowsPerThread) == kFp8QuantThreads,
+                  "one thread per 8 x 8 piece of a 128 x 128 block (the transpose packs 8 rows into 8 bytes)");
+    __shared__ u32 smem_amax[kFp8QuantWarps];
+    grid_dependency_wait();
+    const u32 n_blocks = n / kFp8Block, k_blocks = k / kFp8Block;
+    const u32 per_expert = n_blocks * k_blocks;
+    const u32 num_blocks = num_experts * per_expert;
+    const u32 cv = threadIdx.x % kFp8WeightColVecs;
+    const u32 rg = threadIdx.x / kFp8WeightColVecs;
+    const u32 warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (u32 block = blockIdx.x; block < num_blocks; block += gridDim.x) {
+        const u32 e = block / per_expert;
+        const u32 bn = (block - e * per_expert) / k_blocks;
+        const u32 bk = block - e * per_expert - bn * k_blocks;
+        const i64 row0 = static_cast<i64>(e) * n + bn * kFp8Block + rg * kRowsPerThread;
+        const u32 col = bk * kFp8Block + cv * kBf16PerVec;
+        uint4 v[kRowsPerThread];
+        u32 m = 0;
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+            v[i] = load_stream_v4(w + (row0 + i) * k + col);
+            m = __vmaxu2(m, finite_abs_max_bf16x8(v[i]));
+        }
+        m = max_of_halves(m);
+#pragma unroll
+        for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+            m = max(m, __shfl_xor_sync(kFullMask, m, offset));
+        if (lane == 0)
+            smem_amax[warp] = m;
+        __syncthreads();
+        u32 amax = smem_amax[0];
+#pragma unroll
+        for (int i = 1; i < kFp8QuantWarps; ++i)
+            amax = max(amax, smem_amax[i]);
+        const float scale = fp8_scale_of(amax);
+        const Fp8Divisor d = fp8_divisor(scale);
+        const Fp8Divisor ds[kBf16PerVec] = {d, d, d, d, d, d, d, d};
+        uint2 q[kRowsPerThread];
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+            q[i] = quantize_bf16x8(v[i], ds);
+            *reinterpret_cast<uint2*>(nk + (row0 + i) * k + col) = q[i];
+        }
+        // kn row bk * 128 + 8 cv + j holds this thread's column j, rows 8 rg .. 8 rg + 7 at column
+        // bn * 128 + 8 rg.
+        const i64 kn_row0 = static_cast<i64>(e) * k + col;
+        const u32 kn_col = bn * kFp8Block + rg * kRowsPerThread;
+#pragma unroll
+        for (int j = 0; j < kBf16PerVec; ++j) {
+            const u32 b = j % 4;
+            const uint2 t = j < 4 ? make_uint2(gather_byte(q[0].x, q[1].x, q[2].x, q[3].x, b),
+                                               gather_byte(q[4].x, q[5].x, q[6].x, q[7].x, b))
+                                  : make_uint2(gather_byte(q[0].y, q[1].y, q[2].y, q[3].y, b),
+                                               gather_byte(q[4].y, q[5].y, q[6].y, q[7].y, b));
+            *reinterpret_cast<uint2*>(kn + (kn_row0 + j) * n + kn_col) = t;
+        }
+        if (threadIdx.x == 0) {
+            nk_scale[(static_cast<i64>(e) * n_blocks + bn) * k_blocks + bk] = scale;
+            kn_scale[(static_cast<i64>(e) * k_blocks + bk) * n_blocks + bn] = scale;
+        }
+        __syncthreads();  // smem_amax is the next block's
+    }
+}
+
 }  // namespace dge
