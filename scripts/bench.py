@@ -26,6 +26,7 @@ and a PNG (PNG needs matplotlib) and ends with a markdown table on stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import subprocess
@@ -441,7 +442,9 @@ def main(argv=None):
     if args.calls < 1:
         sys.exit(f"--calls {args.calls}: expected >= 1")
     meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", commit=git_commit(),
-                date=datetime.date.today().isoformat(), calls=args.calls)
+                date=datetime.date.today().isoformat(), calls=args.calls, reps=reps, torch=torch.__version__,
+                cuda=torch.version.cuda, timer="cuda-events" if device == "cuda" else "host",
+                check_shape=dataclasses.astuple(DRY_RUN if args.dry_run else CHECK)[1:])
     skips = {}
     impls = implementations(args.loop, compiled=not args.no_compile, skips=skips)
     if args.rows is not None:
