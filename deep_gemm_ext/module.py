@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .api import mega_moe_train
+from .ops import autocast_enabled
 from .comm.all_to_all import resolve_group
 from .plan import DEFAULT_BACKEND
 from .validation import _tensor, validate_inputs
@@ -46,11 +47,6 @@ def trunc_normal_fp32_(view: torch.Tensor, std: float) -> None:
     """``nn.init.trunc_normal_(view, std=std)`` (truncated at +-2), drawn in fp32: in bf16 it rounds
     some uniforms to exactly +-1, whose erfinv is +-inf, clamped to +-2 (std 0.1 instead of 0.02 on CUDA)."""
     view.copy_(nn.init.trunc_normal_(torch.empty_like(view, dtype=torch.float32), std=std))
-
-
-def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (False for a device autocast does not know: meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def check_routed_inputs(x, topk_idx, topk_weights, weights_name: str = "topk_weights") -> None:

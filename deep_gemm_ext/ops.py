@@ -47,12 +47,17 @@ def mega_moe_fwd(
 _NO_CONTEXT = contextlib.nullcontext()
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (False for a device autocast does not know: meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _autocast_off(t: torch.Tensor):
     """A context with autocast off for ``t``'s device where it is on, else a free no-op: the layer computes in
     its inputs' dtypes (README, "The contract"), and autocast would re-cast the matmuls of the CPU and torch
     paths, in the forward and in a backward run under autocast (MegaMoE casts its inputs first)."""
     device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NO_CONTEXT
 

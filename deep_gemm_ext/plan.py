@@ -261,10 +261,10 @@ def resolve_exchange(x: torch.Tensor, topk_idx: torch.Tensor, l1_weights: torch.
         host_check = _env.check_ids()
         bad_ids = ids_error = None
         if host_check or (host_check is None and not topk_idx.is_cuda):
-            from .validation import check_expert_ids
+            from .validation import check_expert_ids, ids_out_of_range
 
             num_experts = group.size() * num_local
-            bad_ids = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+            bad_ids = ids_out_of_range(topk_idx, num_experts).any()
 
             def ids_error():
                 check_expert_ids(topk_idx, num_experts)

@@ -164,6 +164,11 @@ def check_alignment(**tensors: torch.Tensor) -> None:
                              f"16-byte aligned tensor (call .clone())")
 
 
+def ids_out_of_range(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Where ``topk_idx`` holds an id outside ``[-1, num_experts)`` (a bool tensor of its shape)."""
+    return (topk_idx < -1) | (topk_idx >= num_experts)
+
+
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, *, host_check: bool = True) -> None:
     """Reject ids outside ``[-1, num_experts)``.
 
@@ -174,7 +179,7 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, *, host_check: bo
     """
     if topk_idx.numel() == 0:
         return
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    bad = ids_out_of_range(topk_idx, num_experts)
     capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing or not host_check:
         if topk_idx.is_cuda:

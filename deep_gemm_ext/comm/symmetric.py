@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
-from .all_to_all import (_DTYPES, BlockedExchange, check_buffer_sizes, fp8_row_bytes, fp8_rows_of, received_rows_of,
+from .all_to_all import (_DTYPES, BlockedExchange, _raise_on_disagreement, check_buffer_sizes, fp8_row_bytes, fp8_rows_of, received_rows_of,
                          resolve_group)
 from .emulated import EmulatedGroup, EmulatedWorld
 
@@ -406,14 +406,7 @@ class SymmetricExchange(BlockedExchange):
             gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local, group=self.group)
             table = [tuple(g.tolist()) for g in gathered]
-        for col, name in enumerate(names):
-            values = [row[col] for row in table]
-            if len(set(values)) > 1:
-                if "dtype" in name:
-                    values = [_DTYPES[v] for v in values]
-                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}); every rank "
-                                 f"must pass the same value")
+        _raise_on_disagreement(table, names, {name: _DTYPES for name in names if "dtype" in name})
         buffer.agreed.add(key)
 
     def _check_rows(self, label: str, t: torch.Tensor, rows: int) -> torch.Tensor:

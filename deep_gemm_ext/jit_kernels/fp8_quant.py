@@ -34,7 +34,7 @@ import torch
 
 from .. import jit
 from ..jit import KernelArg
-from .gather_combine import MAX_TOP_K, gather_rows
+from .gather_combine import MAX_TOP_K, _aligned, gather_rows
 from .swiglu import _check_backward_args, _check_clamp
 
 FP8_BLOCK = 128
@@ -171,9 +171,7 @@ def _check_bf16_input(label: str, x, cols_multiple: int = 8) -> torch.Tensor:
                          f"{cols_multiple} (16-byte vectors)")
     if x.shape[0] >= 2 ** 31 or x.shape[1] >= 2 ** 31:
         raise ValueError(f"{label}: shape {tuple(x.shape)}, expected fewer than 2**31 rows and columns")
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation is 16-byte aligned
-    return x
+    return _aligned(x)
 
 
 def _output(label: str, given, shape: tuple, dtype: torch.dtype, device: torch.device, align: int) -> torch.Tensor:
@@ -549,8 +547,7 @@ def quantize_weight_blocks_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     blocks = experts * (n // FP8_BLOCK) * (k // FP8_BLOCK)
     if blocks > _MAX_ITEMS or max(experts, n, k) >= 2 ** 31:
         raise ValueError(f"w: shape {tuple(w.shape)} makes {blocks} blocks of 128 x 128; expected at most {_MAX_ITEMS}")
-    if not w.is_contiguous() or w.data_ptr() % 16:
-        w = w.clone(memory_format=torch.contiguous_format)
+    w = _aligned(w)
     nk = torch.empty(experts, n, k, dtype=FP8_DTYPE, device=w.device)
     kn = torch.empty(experts, k, n, dtype=FP8_DTYPE, device=w.device)
     nk_scale = torch.empty(experts, n // FP8_BLOCK, k // FP8_BLOCK, dtype=torch.float32, device=w.device)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .. import jit
+from .gather_combine import _aligned
 
 _INCLUDE = "#include <impls/swiglu.cuh>\n"
 _THREADS = 256
@@ -72,13 +73,6 @@ def _check_backward_args(h, da, row_weight):
     if da.device != h.device:
         raise ValueError(f"da: on {da.device}, expected {h.device} like h")
     return _aligned(h), _aligned(da), row_weight.contiguous()
-
-
-def _aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """Contiguous at a 16-byte aligned address (the kernels read 16-byte vectors): a copy where a view
-    starts mid-vector."""
-    tensor = tensor.contiguous()
-    return tensor.clone() if tensor.data_ptr() % 16 else tensor
 
 
 def _grid(work_items: int, items_per_cta: int, device) -> tuple[int, int, int]:
